@@ -1,0 +1,1 @@
+"""k3lab: ablation and scaling-law harness for the Kimi K3 architecture."""

@@ -1,0 +1,187 @@
+"""Typed schemas for every config group.
+
+Hydra composes `conf/`; `run.py` merges the result onto these dataclasses, so a misspelt key or a
+wrong type fails at start-up with the key's name. The model is built from `ModelConfig` alone, so
+tests and notebooks can build one without Hydra.
+
+Each switch group (`decay`, `glu`, `balance`, `optim`, `residual`, `moe`, `mixer`) has a `name` field:
+the option the user typed, which is also what the results table shows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DECAYS = ("sigmoid", "softplus")
+GLUS = ("situ", "swiglu")
+BALANCES = ("qb", "sign", "aux", "none")
+OPTIMS = ("muon_per_head", "muon", "adamw")
+RESIDUALS = ("block_attnres", "full_attnres", "standard")
+MOES = ("latent_norm", "latent", "standard", "dense")
+MIXERS = ("hybrid", "mla", "kda")
+KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
+
+
+def check_choice(group: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{group}.name={value!r} is not an option; valid options: {', '.join(valid)}")
+
+
+@dataclass
+class DecayConfig:
+    """KDA log-decay map. sigmoid: g = g_min*sigmoid(exp(A_h)*z) (K3 eq. 5);
+    softplus: g = -exp(A_h)*softplus(z + dt_bias) (Kimi Linear, arXiv:2510.26692)."""
+    name: str = "sigmoid"
+    g_min: float = -5.0          # sigmoid: lower bound of the per-token log-decay
+    a_init_min: float = 1.0      # softplus: A_h = log U(a_init_min, a_init_max)
+    a_init_max: float = 16.0
+    dt_min: float = 1e-3         # softplus: dt_bias = softplus^-1(log-uniform[dt_min, dt_max])
+    dt_max: float = 1e-1
+
+
+@dataclass
+class GLUConfig:
+    """FFN/expert activation. situ: SiTU(W1x; b1) * softcap(W2x; b2); swiglu: silu(W1x) * W2x."""
+    name: str = "situ"
+    b1: float = 4.0
+    b2: float = 25.0
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN."""
+    name: str = "dense"
+    n_experts: int = 8           # routed experts before latent scaling
+    top_k: int = 2               # experts per token before latent scaling
+    n_shared: int = 1            # shared experts, full width
+    expert_hidden: int = 0       # hidden width of one expert's GLU; 0 = model.ffn_hidden // top_k
+    latent_ratio: int = 4        # alpha: routed experts work in width d_model / alpha
+    scale_with_latent: bool = True  # LatentMoE "acc": n_experts and top_k multiplied by alpha
+    first_dense: int = 1         # the first `first_dense` layers keep a dense FFN (K3 keeps one)
+    router_init_std: float = 0.02
+
+
+@dataclass
+class BalanceConfig:
+    """Router-bias balancing: Quantile Balancing (K3 eqs. 13-14), sign update (arXiv:2408.15664),
+    Switch auxiliary loss, or none."""
+    name: str = "qb"
+    gamma: float = 1e-3          # sign: bias step
+    aux_coef: float = 1e-2       # aux: loss coefficient
+    hist_bins: int = 0           # qb: 0 = exact quantile; >0 = histogram estimator with that many bins
+
+
+@dataclass
+class ResidualConfig:
+    """standard = PreNorm residual; full_attnres / block_attnres = Attention Residuals
+    (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each)."""
+    name: str = "standard"
+    block_size: int = 2
+
+
+@dataclass
+class MixerConfig:
+    """Sequence-mixer layout: `hybrid` repeats (kda_per_mla x KDA, then 1 x MLA); `mla` / `kda` use one kind."""
+    name: str = "hybrid"
+    kda_per_mla: int = 3
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"        # auto | torch | triton | fla
+
+
+@dataclass
+class ModelConfig:
+    """Architecture. Size either explicit (d_model) or from the depth dial: d_model = depth * aspect."""
+    name: str = "tiny"
+    n_layers: int = 4
+    d_model: int = 0             # 0 = n_layers * aspect (the one-dial ladder)
+    aspect: int = 64
+    head_dim: int = 64           # KDA and MLA head dimension
+    mla_kv_rank: int = 0         # 0 = d_model // 2
+    ffn_mult: float = 2.75       # dense FFN hidden = ffn_mult * d_model, rounded to 32
+    conv_size: int = 4
+    vocab_size: int = 0          # 0 = taken from the data
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    norm_eps: float = 1e-6
+    decay: DecayConfig = field(default_factory=DecayConfig)
+    glu: GLUConfig = field(default_factory=GLUConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    mixer: MixerConfig = field(default_factory=MixerConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    @property
+    def width(self) -> int:
+        return self.d_model or self.n_layers * self.aspect
+
+    @property
+    def n_heads(self) -> int:
+        return max(1, self.width // self.head_dim)
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(round(self.ffn_mult * self.width / 32)) * 32
+
+    @property
+    def kv_rank(self) -> int:
+        return self.mla_kv_rank or self.width // 2
+
+    def layer_kinds(self) -> list[str]:
+        """'kda' or 'mla' for each layer, e.g. hybrid 3:1 over 8 layers: kda kda kda mla kda kda kda mla."""
+        if self.mixer.name == "mla":
+            return ["mla"] * self.n_layers
+        if self.mixer.name == "kda":
+            return ["kda"] * self.n_layers
+        period = self.mixer.kda_per_mla + 1
+        return ["mla" if (i + 1) % period == 0 else "kda" for i in range(self.n_layers)]
+
+    def validate(self) -> "ModelConfig":
+        check_choice("decay", self.decay.name, DECAYS)
+        check_choice("glu", self.glu.name, GLUS)
+        check_choice("balance", self.balance.name, BALANCES)
+        check_choice("residual", self.residual.name, RESIDUALS)
+        check_choice("moe", self.moe.name, MOES)
+        check_choice("mixer", self.mixer.name, MIXERS)
+        check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
+        if self.width % self.head_dim:
+            raise ValueError(f"model width {self.width} is not a multiple of head_dim {self.head_dim}")
+        return self
+
+
+@dataclass
+class OptimConfig:
+    """Muon (Newton-Schulz, arXiv:2502.16982) on hidden matrices, AdamW on the rest; or AdamW alone."""
+    name: str = "muon_per_head"
+    lr: float = 2e-2             # Muon lr (update RMS matched to AdamW, so comparable to adam_lr)
+    adam_lr: float = 3e-3        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1    # cosine decays to this fraction of the peak
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    name: str = "sotu"           # sotu | text | mqar
+    seq_len: int = 256
+    batch_size: int = 16
+    vocab_size: int = 4096       # BPE vocab; ignored for byte-level and mqar
+    tokenizer: str = "bpe"       # bpe | byte
+    path: Optional[str] = None   # text: a file or folder of .txt / .jsonl
+    val_fraction: float = 0.05   # share of documents held out
+    cache_dir: str = "${oc.env:K3LAB_CACHE,~/.cache/k3lab}"
+    num_workers: int = 0
+    # mqar (Zoology, arXiv:2312.04927)
+    n_kv_pairs: int = 16
+    mqar_vocab: int = 256
+    n_train_examples: int = 100_000
+    n_val_examples: int = 2_000
