@@ -1,0 +1,238 @@
+"""Attention Residuals (AttnRes, arXiv:2603.15031 §3; Kimi K3 arXiv:2607.24653 §2.2).
+
+The PreNorm residual feeds sublayer l the plain sum of everything before it. AttnRes feeds it a
+softmax over depth instead (paper eq. 2-3):
+
+    h_l = sum_i alpha_{i->l} v_i,    alpha_{i->l} = softmax_i( w_l^T RMSNorm_l(v_i) )
+
+with v_0 = the token embedding, one zero-initialised pseudo-query w_l [D] and one learnable RMSNorm per
+AttnRes op; the values v_i stay unnormalised and each sublayer keeps its own PreNorm. There is one op
+before every sublayer (attention/mixer and FFN count one each) plus a final aggregation before the
+output norm, so 2L + 1 ops for L layers. Zero queries make every mix uniform at initialisation.
+
+Block AttnRes (paper §3.2) groups `block_size` consecutive sublayers into a block and sums their
+outputs inside it, b_n = sum_{j in block n} f_j(h_j). Sublayer l attends over
+
+    [ v_0 = embedding,  b_1, ..., b_{n-1} (completed blocks),  b_n^partial (if non-empty) ]
+
+where b_n^partial is the sum of the outputs already produced in l's own block. `full_attnres` is the
+same code with block_size = 1: every output is its own completed block, the partial sum is always empty.
+
+Efficiency. w^T RMSNorm(v) = (w * g)^T v / rms(v), with g the norm's weight, so the only per-source
+work that does not depend on the op is 1/rms(v) [B, T, 1]: it is computed once when a source is
+finished and reused by every later op (the tensor normalised RMSNorm(v) is never built). Sources stay
+a Python list: the mix is a sum of alpha_i * v_i, so autograd keeps only references to the sources
+(alive anyway) and the small alpha_i, not a stacked [S, B, T, D] copy per op. The softmax over depth
+runs in fp32; the mix accumulates in fp32 and returns the sources' dtype.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k3lab.config import ResidualConfig
+from k3lab.model.norm import RMSNorm
+from k3lab.model.residual import DepthRecorder, sublayer_label
+
+
+def inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(v^2) + eps) over the last dim, in fp32 (fp64 for fp64 v): v [..., D] -> [..., 1].
+
+    vector_norm with a dtype argument reads v in its own dtype, so no fp32 copy of v is kept for backward."""
+    acc = torch.promote_types(v.dtype, torch.float32)
+    sq = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=acc).square()
+    return torch.rsqrt(sq / v.shape[-1] + eps)
+
+
+def depth_softmax_mix(
+    values: list[torch.Tensor], inv_rms_: list[torch.Tensor], query: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AttnRes op (paper eq. 2-3) over S sources.
+
+    values:  S tensors [B, T, D] (unnormalised v_i); inv_rms_: S tensors [B, T, 1] fp32, 1/rms(v_i);
+    query:   [D], the pseudo-query times the op's RMSNorm weight (w * g).
+    Returns h [B, T, D] (dtype promoted over the values) and alpha [S, B, T] (fp32, fp64 for fp64 values).
+    """
+    out_dtype = values[0].dtype
+    for v in values[1:]:
+        out_dtype = torch.promote_types(out_dtype, v.dtype)
+    acc = torch.promote_types(out_dtype, torch.float32)
+    logits = torch.stack([(v @ query.to(v.dtype)).to(acc) * r.squeeze(-1) for v, r in zip(values, inv_rms_)])
+    alpha = torch.softmax(logits, dim=0)
+    h = alpha[0].unsqueeze(-1) * values[0]
+    for a, v in zip(alpha[1:], values[1:]):
+        h = h + a.unsqueeze(-1) * v
+    return h.to(out_dtype), alpha
+
+
+@dataclass
+class DepthState:
+    """What the stack carries between sublayers under AttnRes.
+
+    sources: finished sources [embedding, b_1, b_2, ...], each [B, T, D]; inv_rms: their 1/rms [B, T, 1];
+    partial: sum of the outputs of the current, unfinished block (None when the block is empty)."""
+    sources: list[torch.Tensor] = field(default_factory=list)
+    inv_rms: list[torch.Tensor] = field(default_factory=list)
+    partial: torch.Tensor | None = None
+
+
+class AttnResidual(DepthRecorder, nn.Module):
+    """full_attnres / block_attnres behind the residual seam (see k3lab.model.residual).
+
+    n_sublayers AttnRes ops (op i forms the input of sublayer i) plus op n_sublayers, the final
+    aggregation that `end` returns. Parameters: queries[i] [D] (zeros) and norms[i].weight [D] (ones),
+    all 1-D, so the optimizer's grouping rule sends them to AdamW.
+    """
+
+    def __init__(self, cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float):
+        super().__init__()
+        if cfg.name == "full_attnres":
+            block_size = 1
+        elif cfg.name == "block_attnres":
+            block_size = cfg.block_size
+        else:
+            raise ValueError(f"AttnResidual does not implement residual.name={cfg.name!r}")
+        if block_size < 1:
+            raise ValueError(f"residual.block_size must be >= 1 (sublayers per block), got {block_size}")
+        self.name = cfg.name
+        self.block_size = block_size
+        self.n_sublayers = n_sublayers
+        self.eps = eps
+        n_ops = n_sublayers + 1
+        self.queries = nn.ParameterList([nn.Parameter(torch.zeros(d_model)) for _ in range(n_ops)])
+        self.norms = nn.ModuleList([RMSNorm(d_model, eps) for _ in range(n_ops)])
+        self.n_blocks = math.ceil(n_sublayers / block_size)
+        self.init_recorder()
+
+    # --- which sources each op sees -------------------------------------------------------------
+    def source_columns(self, op: int) -> list[int]:
+        """Depth-source ids op `op` attends over: 0 = embedding, n = block n (its completed sum, or its
+        partial sum when op lies inside block n). Op n_sublayers is the final aggregation."""
+        done = op // self.block_size          # blocks completed before op
+        cols = list(range(done + 1))          # embedding + completed blocks
+        if op % self.block_size:              # op sits inside block done+1, after some of its sublayers
+            cols.append(done + 1)
+        return cols
+
+    def column_labels(self) -> list[str]:
+        if self.block_size == 1:
+            return ["emb"] + [sublayer_label(j) for j in range(self.n_sublayers)]
+        return ["emb"] + [f"block{n}" for n in range(1, self.n_blocks + 1)]
+
+    # --- the seam ---------------------------------------------------------------------------------
+    def begin(self, embedding: torch.Tensor) -> DepthState:
+        return DepthState(sources=[embedding], inv_rms=[inv_rms(embedding, self.eps)])
+
+    def _mix(self, state: DepthState, op: int) -> torch.Tensor:
+        values, scales = list(state.sources), list(state.inv_rms)
+        if state.partial is not None:
+            values.append(state.partial)
+            scales.append(inv_rms(state.partial, self.eps))
+        h, alpha = depth_softmax_mix(values, scales, self.queries[op] * self.norms[op].weight)
+        if self.record:
+            self.record_weights(op, self.source_columns(op), alpha)
+        return h
+
+    def read(self, state: DepthState, sublayer: int) -> torch.Tensor:
+        h = self._mix(state, sublayer)
+        if self.record:
+            self.record_rms("input_rms", sublayer, h)
+        return h
+
+    def write(self, state: DepthState, sublayer: int, out: torch.Tensor) -> DepthState:
+        if self.record:
+            self.record_rms("output_rms", sublayer, out)
+        partial = out if state.partial is None else state.partial + out
+        if (sublayer + 1) % self.block_size == 0:   # block complete: its sum becomes a source
+            return DepthState(state.sources + [partial], state.inv_rms + [inv_rms(partial, self.eps)], None)
+        return DepthState(state.sources, state.inv_rms, partial)
+
+    def end(self, state: DepthState) -> torch.Tensor:
+        h = self._mix(state, self.n_sublayers)
+        if self.record:
+            self.record_rms("final_rms", 0, h)
+        return h
+
+    def op_label(self, op: int) -> str:
+        return "final" if op == self.n_sublayers else sublayer_label(op)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, block_size={self.block_size} sublayers, n_blocks={self.n_blocks}"
+
+
+# --- logging and plots ------------------------------------------------------------------------------
+def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
+    """Flat scalars for metrics.jsonl: {prefix}/output_rms/{i:02d}, {prefix}/input_rms/{i:02d},
+    {prefix}/final_rms and, for AttnRes, {prefix}/emb_weight/{op:02d} (mean weight on the embedding)."""
+    out = {f"{prefix}/final_rms": diag["final_rms"]}
+    for key in ("output_rms", "input_rms"):
+        out.update({f"{prefix}/{key}/{i:02d}": v for i, v in enumerate(diag[key])})
+    for op, row in enumerate(diag.get("depth_weights") or []):
+        out[f"{prefix}/emb_weight/{op:02d}"] = row[0]
+    return out
+
+
+def plot_diagnostics(diag: dict, out_dir: str | Path, tag: str = "") -> list[Path]:
+    """Write the depth diagnostics as PNGs (matplotlib, Agg backend); returns the paths written.
+
+    diag: one `residual.diagnostics()` dict, or {run label: diagnostics dict} to overlay several runs
+    (e.g. standard vs block_attnres) on one RMS plot. Files: depth_diagnostics{tag}.json (the numbers,
+    NaN written as null), depth_rms{tag}.png (per-sublayer output
+    and input RMS across depth: the PreNorm-dilution curve, paper Fig. 5) and, for each AttnRes run,
+    depth_weights{tag}[_label].png (mean alpha, op x source heatmap).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {diag.get("name", "run"): diag} if "output_rms" in diag else dict(diag)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"depth_diagnostics{tag}.json"
+    path.write_text(json.dumps(runs, indent=1).replace("NaN", "null"))
+    written = [path]
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, d in runs.items():
+        for ax, key in zip(axes, ("output_rms", "input_rms")):
+            y = d[key]
+            ax.plot(range(len(y)), y, marker="o", ms=3, label=label)
+    n = len(next(iter(runs.values()))["output_rms"])
+    for ax, title in zip(axes, ("sublayer output RMS  |f_i(x)|", "sublayer input RMS  |h_i| (before PreNorm)")):
+        ax.set_title(title)
+        ax.set_xlabel("sublayer (layer l: mixer 2l, FFN 2l+1)")
+        ax.set_yscale("log")
+        ax.set_xticks(range(0, n, max(1, n // 12)))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out_dir / f"depth_rms{tag}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    for label, d in runs.items():
+        if d.get("depth_weights") is None:
+            continue
+        w = torch.as_tensor(d["depth_weights"], dtype=torch.float32).numpy()
+        fig, ax = plt.subplots(figsize=(1.2 + 0.45 * w.shape[1], 1.2 + 0.3 * w.shape[0]))
+        im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(w.shape[1]), d["column_labels"], rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(w.shape[0]), d["op_labels"], fontsize=7)
+        ax.set_xlabel("depth source")
+        ax.set_ylabel("AttnRes op (input of)")
+        ax.set_title(f"mean depth-attention weights: {label}", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.tight_layout()
+        suffix = "" if len(runs) == 1 else f"_{label}"
+        path = out_dir / f"depth_weights{tag}{suffix}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

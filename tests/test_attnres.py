@@ -1,0 +1,305 @@
+"""Attention Residuals (arXiv:2603.15031): the residual seam driven by a toy stack of sublayers.
+
+Each toy sublayer is f_i(x) = W_i tanh(RMSNorm_i(x)) (its own PreNorm, like the real ones), so the
+tests need nothing but the seam: begin / read / write / end.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3lab.config import ResidualConfig
+from k3lab.model.attnres import AttnResidual, depth_metrics, plot_diagnostics
+from k3lab.model.norm import RMSNorm
+from k3lab.model.residual import StandardResidual, build_residual
+
+D, EPS = 16, 1e-6
+
+
+class ToySublayer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = RMSNorm(d, EPS)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.norm(x)))
+
+
+def toy_stack(n_sublayers: int, seed: int = 0) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    return nn.ModuleList([ToySublayer(D) for _ in range(n_sublayers)])
+
+
+def run(residual, stack, emb, perturb: dict | None = None):
+    """Drive the seam as the model does. perturb {j: tensor} is added to sublayer j's output.
+    Returns (inputs read by each sublayer, outputs written, final h)."""
+    reads, outs = [], []
+    state = residual.begin(emb)
+    for i, f in enumerate(stack):
+        x = residual.read(state, i)
+        y = f(x)
+        if perturb and i in perturb:
+            y = y + perturb[i]
+        reads.append(x)
+        outs.append(y)
+        state = residual.write(state, i, y)
+    return reads, outs, residual.end(state)
+
+
+def make(name: str, n_sublayers: int, block_size: int = 2, randomise: bool = False, seed: int = 1):
+    res = build_residual(ResidualConfig(name=name, block_size=block_size), n_sublayers, D, EPS).double()
+    if randomise:  # trained-looking queries and norm gains, so the softmax is far from uniform
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name_, p in res.named_parameters():
+                noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+                p.copy_(noise * 1.5 if name_.startswith("queries.") else 1.0 + 0.3 * noise)
+    return res
+
+
+# --- an independent reference, written from the paper's equations ------------------------------
+def paper_sources(emb, outs, op, block_size):
+    """Sources of op `op` (paper §3.2): the embedding, the sums of the completed blocks of
+    `block_size` sublayers, and the sum of the outputs already produced in op's own block."""
+    n_done = op // block_size
+    srcs = [emb] + [sum(outs[n * block_size:(n + 1) * block_size]) for n in range(n_done)]
+    if op % block_size:
+        srcs.append(sum(outs[n_done * block_size:op]))
+    return srcs
+
+
+def reference_mix(sources, w, g, eps=EPS):
+    """h = sum_i softmax_i(w . RMSNorm(v_i)) v_i, with RMSNorm(v) = v / sqrt(mean(v^2) + eps) * g."""
+    V = torch.stack(sources)                                           # [S, B, T, D]
+    K = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + eps) * g      # [S, B, T, D]
+    logits = torch.einsum("d,sbtd->sbt", w, K)
+    return torch.einsum("sbt,sbtd->btd", logits.softmax(0), V)
+
+
+def reference_run(stack, emb, queries, gains, block_size, n_sublayers):
+    outs, reads = [], []
+    for i, f in enumerate(stack):
+        x = reference_mix(paper_sources(emb, outs, i, block_size), queries[i], gains[i])
+        reads.append(x)
+        outs.append(f(x))
+    h = reference_mix(paper_sources(emb, outs, n_sublayers, block_size), queries[-1], gains[-1])
+    return reads, h
+
+
+def emb_input(seed=0, B=2, T=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, D, generator=g, dtype=torch.float64)
+
+
+# --- must-show tests ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name,block_size", [("full_attnres", 1), ("block_attnres", 2), ("block_attnres", 3)])
+def test_uniform_weights_at_init(name, block_size):
+    """Zero pseudo-queries: every op's input is the plain mean of its sources, token by token."""
+    n = 8
+    res, stack, emb = make(name, n, block_size), toy_stack(n).double(), emb_input()
+    res.record = True
+    reads, outs, h = run(res, stack, emb)
+    bs = res.block_size
+    for i in range(n + 1):
+        srcs = paper_sources(emb, outs, i, bs)
+        got = reads[i] if i < n else h
+        torch.testing.assert_close(got, torch.stack(srcs).mean(0), rtol=1e-12, atol=1e-12)
+    diag = res.diagnostics()
+    for op, row in enumerate(diag["depth_weights"]):
+        seen = [w for w in row if not math.isnan(w)]
+        assert seen == pytest.approx([1 / len(seen)] * len(seen), abs=1e-7), op
+
+
+@pytest.mark.parametrize("name,block_size", [("full_attnres", 1), ("block_attnres", 2), ("block_attnres", 3)])
+def test_matches_plain_softmax_reference(name, block_size):
+    """AttnResidual (factorised, cached 1/rms, list-based) == stacked softmax over the paper's sources,
+    outputs and gradients, with random queries and norm gains (float64)."""
+    n = 8
+    res = make(name, n, block_size, randomise=True)
+    stack = toy_stack(n).double()
+    emb = emb_input().requires_grad_(True)
+    reads, _, h = run(res, stack, emb)
+    queries = [q for q in res.queries]
+    gains = [m.weight for m in res.norms]
+    ref_reads, ref_h = reference_run(stack, emb, queries, gains, res.block_size, n)
+    for got, want in zip(reads + [h], ref_reads + [ref_h]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    probe = torch.randn_like(h)
+    params = [emb] + list(res.parameters()) + list(stack.parameters())
+    g1 = torch.autograd.grad((h * probe).sum(), params)
+    g2 = torch.autograd.grad((ref_h * probe).sum(), params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    # the weights are far from uniform here, so a softmax that ignored the queries would be noticed
+    uniform = reference_mix(paper_sources(emb, [f(x) for f, x in zip(stack, reads)], n, res.block_size),
+                            torch.zeros(D, dtype=h.dtype), torch.ones(D, dtype=h.dtype))
+    assert (h - uniform).abs().max() > 0.1
+
+
+def test_block_size_one_equals_full():
+    """block_attnres with block_size=1 and full_attnres, same weights: same outputs and gradients."""
+    n = 6
+    full = make("full_attnres", n, randomise=True, seed=3)
+    block = make("block_attnres", n, block_size=1)
+    block.load_state_dict(full.state_dict())
+    stack = toy_stack(n).double()
+    results = []
+    for res in (full, block):
+        emb = emb_input().requires_grad_(True)
+        reads, _, h = run(res, stack, emb)
+        loss = (h.sin() * torch.arange(D, dtype=h.dtype)).sum() + sum(r.square().mean() for r in reads)
+        grads = torch.autograd.grad(loss, [emb] + list(res.parameters()) + list(stack.parameters()))
+        results.append((reads, h, grads))
+    (r1, h1, g1), (r2, h2, g2) = results
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0)
+    for a, b in zip(r1 + list(g1), r2 + list(g2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # queries of ops with 2+ sources get gradients (op 0 sees the embedding alone: softmax of one = 1)
+    assert g1[0].abs().sum() > 0 and all(g.abs().sum() > 0 for g in g1[2:n + 2])
+
+
+def test_sources_are_the_papers():
+    """8 sublayers in blocks of 3: blocks {0,1,2}, {3,4,5}, {6,7}. Column 0 = embedding, n = block n."""
+    res = make("block_attnres", 8, block_size=3)
+    expected = {
+        0: [0],            # first sublayer: the embedding alone
+        1: [0, 1],         # + partial sum of block 1 (output 0)
+        2: [0, 1],         # + partial sum of block 1 (outputs 0, 1)
+        3: [0, 1],         # block 1 complete, block 2 empty
+        4: [0, 1, 2],
+        5: [0, 1, 2],
+        6: [0, 1, 2],
+        7: [0, 1, 2, 3],
+        8: [0, 1, 2, 3],   # final aggregation: the last, shorter block enters as a partial sum
+    }
+    assert {op: res.source_columns(op) for op in range(9)} == expected
+    full = make("full_attnres", 8)
+    assert all(full.source_columns(op) == list(range(op + 1)) for op in range(9))
+    assert full.column_labels() == ["emb", "L0.mix", "L0.ffn", "L1.mix", "L1.ffn", "L2.mix", "L2.ffn",
+                                    "L3.mix", "L3.ffn"]
+    # the values behind the columns: what op 7 mixes is exactly [emb, b1, b2, partial(out 6)]
+    stack, emb = toy_stack(8).double(), emb_input()
+    res_r = make("block_attnres", 8, block_size=3, randomise=True)
+    reads, outs, _ = run(res_r, stack, emb)
+    want = reference_mix([emb, sum(outs[0:3]), sum(outs[3:6]), outs[6]], res_r.queries[7], res_r.norms[7].weight)
+    torch.testing.assert_close(reads[7], want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,block_size", [("full_attnres", 1), ("block_attnres", 2), ("block_attnres", 3)])
+def test_causal_over_depth(name, block_size):
+    """Changing sublayer j's output leaves the inputs of sublayers 0..j unchanged and moves every later
+    input and the final mix; and d(input_i)/d(output_j) = 0 for j >= i."""
+    n = 8
+    res, stack, emb = make(name, n, block_size, randomise=True), toy_stack(n).double(), emb_input()
+    base_reads, _, base_h = run(res, stack, emb)
+    for j in range(n):
+        reads, _, h = run(res, stack, emb, perturb={j: torch.randn_like(emb)})
+        for i in range(n):
+            if i <= j:
+                assert torch.equal(reads[i], base_reads[i]), (j, i)
+            else:
+                assert (reads[i] - base_reads[i]).abs().max() > 1e-6, (j, i)
+        assert (h - base_h).abs().max() > 1e-6
+    # gradient form: zero perturbations with requires_grad
+    deltas = {j: torch.zeros_like(emb, requires_grad=True) for j in range(n)}
+    reads, _, _ = run(res, stack, emb, perturb=deltas)
+    for i in range(n):
+        grads = torch.autograd.grad(reads[i].sum(), list(deltas.values()), allow_unused=True, retain_graph=True)
+        for j, g in enumerate(grads):
+            if j >= i:
+                assert g is None or torch.count_nonzero(g) == 0, (i, j)
+            else:
+                assert g is not None and g.abs().sum() > 0, (i, j)
+
+
+def test_attnres_parameters_are_1d_and_owned():
+    """Pseudo-queries (zeros) and AttnRes norm gains (ones): 2 x (n_sublayers + 1) vectors of size D,
+    all 1-D, so the 'hidden 2-D matrices -> Muon, rest -> AdamW' rule sends them to AdamW."""
+    for name in ("full_attnres", "block_attnres"):
+        res = build_residual(ResidualConfig(name=name, block_size=4), 12, D, EPS)
+        params = dict(res.named_parameters())
+        assert len(params) == 2 * 13
+        assert all(p.ndim == 1 and p.shape == (D,) for p in params.values())
+        assert all(torch.count_nonzero(p) == 0 for k, p in params.items() if k.startswith("queries."))
+        assert all(torch.all(p == 1) for k, p in params.items() if k.startswith("norms."))
+    assert list(StandardResidual().parameters()) == []
+
+
+@pytest.mark.parametrize("name", ["standard", "full_attnres", "block_attnres"])
+def test_recording_changes_nothing_and_measures_rms(name):
+    """record=True gives bit-identical outputs and the RMS it reports is the RMS of what was read/written."""
+    n = 6
+    res = make(name, n, block_size=2, randomise=name != "standard")
+    stack, emb = toy_stack(n).double(), emb_input()
+    reads0, outs0, h0 = run(res, stack, emb)
+    res.record = True
+    reads1, outs1, h1 = run(res, stack, emb)
+    run(res, stack, emb * 2)
+    res.record = False
+    diag = res.diagnostics()
+    assert torch.equal(h0, h1) and all(torch.equal(a, b) for a, b in zip(reads0, reads1))
+    reads2, outs2, h2 = run(res, stack, emb * 2)
+    rms = lambda x: x.square().mean().sqrt().item()  # noqa: E731
+    assert diag["n_forwards"] == 2
+    assert diag["output_rms"] == pytest.approx([(rms(a) + rms(b)) / 2 for a, b in zip(outs1, outs2)], rel=1e-6)
+    assert diag["input_rms"] == pytest.approx([(rms(a) + rms(b)) / 2 for a, b in zip(reads1, reads2)], rel=1e-6)
+    assert diag["final_rms"] == pytest.approx((rms(h1) + rms(h2)) / 2, rel=1e-6)
+    assert res.diagnostics()["n_forwards"] == 0  # diagnostics() cleared the sums
+    metrics = depth_metrics(diag)
+    assert metrics["depth/output_rms/00"] == diag["output_rms"][0]
+    assert len([k for k in metrics if "/output_rms/" in k]) == n
+
+
+def test_standard_residual_math_unchanged():
+    """StandardResidual is still h <- h + f(h): compare with the plain loop."""
+    n, stack, emb = 6, toy_stack(6).double(), emb_input()
+    _, _, h = run(StandardResidual(), stack, emb)
+    x = emb
+    for f in stack:
+        x = x + f(x)
+    torch.testing.assert_close(h, x, rtol=0, atol=0)
+
+
+def test_bf16_sources_keep_dtype_and_fp32_softmax():
+    """bf16 sublayer outputs with an fp32 embedding: the mix is fp32 (type promotion, as the standard sum);
+    all-bf16 sources give bf16; both stay close to the float64 reference."""
+    n = 4
+    res = make("full_attnres", n, randomise=True).float()
+    stack = toy_stack(n).to(torch.bfloat16)
+    emb = emb_input().float()
+    for emb_dtype, want in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        state = res.begin(emb.to(emb_dtype))
+        for i, f in enumerate(stack):
+            state = res.write(state, i, f(res.read(state, i).to(torch.bfloat16)))
+        h = res.end(state)
+        assert h.dtype == want
+        srcs = [s.double() for s in state.sources]
+        ref = reference_mix(srcs, res.queries[-1].double(), res.norms[-1].weight.double())
+        torch.testing.assert_close(h.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="block_size"):
+        build_residual(ResidualConfig(name="block_attnres", block_size=0), 8, D, EPS)
+    with pytest.raises(ValueError, match="does not implement"):
+        AttnResidual(ResidualConfig(name="standard"), 8, D, EPS)
+
+
+def test_plot_diagnostics(tmp_path):
+    n, stack, emb = 8, toy_stack(8).double(), emb_input()
+    diags = {}
+    for name in ("standard", "block_attnres"):
+        res = make(name, n, block_size=2, randomise=name != "standard")
+        res.record = True
+        run(res, stack, emb)
+        diags[name] = res.diagnostics()
+    written = plot_diagnostics(diags, tmp_path, tag="_step10")
+    names = sorted(p.name for p in written)
+    assert names == ["depth_diagnostics_step10.json", "depth_rms_step10.png",
+                     "depth_weights_step10_block_attnres.png"]
+    assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
+    single = plot_diagnostics(diags["block_attnres"], tmp_path / "one")
+    assert sorted(p.name for p in single) == ["depth_diagnostics.json", "depth_rms.png", "depth_weights.png"]
