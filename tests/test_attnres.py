@@ -281,6 +281,13 @@ def test_bf16_sources_keep_dtype_and_fp32_softmax():
         torch.testing.assert_close(h.double(), ref, rtol=3e-2, atol=3e-2)
 
 
+def test_n_blocks_sets_block_size():
+    """residual.n_blocks > 0 keeps the block count fixed across depths: block_size = ceil(2L / n_blocks)."""
+    for n_sub, n_blocks, want in ((8, 4, 2), (24, 8, 3), (48, 8, 6), (10, 4, 3)):
+        res = build_residual(ResidualConfig(name="block_attnres", block_size=99, n_blocks=n_blocks), n_sub, D, EPS)
+        assert res.block_size == want and res.n_blocks == math.ceil(n_sub / want)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="block_size"):
         build_residual(ResidualConfig(name="block_attnres", block_size=0), 8, D, EPS)

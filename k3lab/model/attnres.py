@@ -94,7 +94,7 @@ class AttnResidual(DepthRecorder, nn.Module):
         if cfg.name == "full_attnres":
             block_size = 1
         elif cfg.name == "block_attnres":
-            block_size = cfg.block_size
+            block_size = math.ceil(n_sublayers / cfg.n_blocks) if cfg.n_blocks > 0 else cfg.block_size
         else:
             raise ValueError(f"AttnResidual does not implement residual.name={cfg.name!r}")
         if block_size < 1:
