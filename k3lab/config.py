@@ -77,6 +77,7 @@ class ResidualConfig:
     (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each)."""
     name: str = "standard"
     block_size: int = 2
+    n_blocks: int = 0            # >0: block_size = ceil(n_sublayers / n_blocks), ~same block count at any depth
 
 
 @dataclass
