@@ -1,0 +1,81 @@
+"""Kimi Delta Attention (KDA) kernels, Kimi Linear arXiv:2510.26692.
+
+Per head: S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,  o_t = scale * S_t^T q_t.
+
+Entry point: :func:`kda`. Implementations:
+- ``recurrent.kda_recurrent``: token-by-token reference (the tests' ground truth, float64).
+- ``chunk_torch.kda_chunk_torch``: chunkwise plain PyTorch (chunk 64, UT/WY transform), CPU default.
+- ``triton`` (module ``kernels.kda.triton``): chunkwise Triton forward and backward, CUDA default.
+- ``fla``: ``fla.ops.kda.chunk_kda`` from the optional ``fla-core`` package, for comparison.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .chunk_torch import kda_chunk_torch
+from .recurrent import kda_recurrent
+
+BACKENDS = ("auto", "torch", "triton", "fla")
+
+__all__ = ["BACKENDS", "kda", "kda_chunk_torch", "kda_recurrent", "triton_available"]
+
+
+def triton_available() -> bool:
+    """True when the Triton KDA kernels can be imported (triton installed, kernels present)."""
+    try:
+        importlib.import_module("kernels.kda.triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state):
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:
+        raise ImportError(
+            "kda backend 'fla' needs the optional package fla-core (pip install 'fla-core==0.6.0'): "
+            f"{e}"
+        ) from e
+    return chunk_kda(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise KDA.
+
+    q, k: [B, T, H, K] (already L2-normalised), v: [B, T, H, V], g: [B, T, H, K] log-decay (<= 0),
+    beta: [B, T, H] in (0, 1), initial_state: [B, H, K, V] or None; scale defaults to K**-0.5.
+    Returns o [B, T, H, V] (dtype of v) and the final state [B, H, K, V] in float32 (None unless
+    ``output_final_state``). backend: "auto" (Triton on CUDA tensors when available, else torch),
+    "torch", "triton" or "fla".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and triton_available() else "torch"
+    if backend == "torch":
+        return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
+    if backend == "fla":
+        return _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state)
+    try:
+        from .triton import kda_triton
+    except ImportError as e:
+        raise ImportError(f"kda backend 'triton' is unavailable: {e}") from e
+    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
