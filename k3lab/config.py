@@ -186,3 +186,7 @@ class DataConfig:
     mqar_vocab: int = 256
     n_train_examples: int = 100_000
     n_val_examples: int = 2_000
+    mqar_power_a: float = 0.01   # query-gap power law exponent (Zoology's default)
+    mqar_random_non_queries: bool = False  # True: filler positions get random tokens instead of 0
+    # validation (sotu / text): at most this many target tokens, in non-overlapping windows
+    val_tokens: int = 65_536
