@@ -1,0 +1,240 @@
+"""Stable LatentMoE (K3 eq. 11, arXiv:2607.24653; LatentMoE arXiv:2601.18089).
+
+    latent_norm:  y = shared(x) + W_up RMSNorm( sum_{i in E(x)} p_i E_i(W_down x) )
+    latent:       y = shared(x) + W_up          sum_{i in E(x)} p_i E_i(W_down x)
+    standard:     y = shared(x) +               sum_{i in E(x)} p_i E_i(x)
+
+x [B, T, D]. The router (k3lab.model.router) scores the full-width x. Routed experts are GLUs (the
+`glu` switch) of width w = D / alpha (latent) or D (standard) and hidden width h; the shared experts
+are full-width GLUs. LatentMoE's "acc" variant (scale_with_latent) multiplies n_experts and top_k by
+alpha, which keeps total and active routed parameters equal to the standard MoE's (w*h per expert
+matrix, alpha times as many, alpha times as many active).
+
+Expert weights are stacked [n_experts, out, in] (attribute `per_expert = True`: dim 0 indexes experts,
+an optimizer may treat each slice [out, in] as its own matrix). Dispatch sorts the k*m (token, expert)
+pairs by expert and runs each of the three GLU matmuls as one grouped matmul (`torch._grouped_mm`,
+CUDA bf16), or, elsewhere, as a loop over the experts' contiguous segments.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from k3lab.config import BalanceConfig, GLUConfig, ModelConfig, MoEConfig
+from k3lab.model.ffn import GLU, glu_combine
+from k3lab.model.norm import RMSNorm
+from k3lab.model.router import (Router, Routing, all_reduce_sum, broadcast_from_rank0, build_balancer,
+                                expert_load, max_violation, score_entropy)
+
+
+def default_expert_hidden(d_model: int, top_k: int, ffn_mult: float = ModelConfig.ffn_mult) -> int:
+    """The dense FFN's hidden width (ModelConfig.ffn_hidden rule) split over the top_k experts a token
+    uses (before latent scaling), rounded to a multiple of 8 (grouped-matmul alignment)."""
+    ffn_hidden = int(round(ffn_mult * d_model / 32)) * 32
+    return max(8, int(round(ffn_hidden / top_k / 8)) * 8)
+
+
+def grouped_mm_usable(x: torch.Tensor, *dims: int) -> bool:
+    """torch._grouped_mm's fast kernel: CUDA, bf16, rows 16-byte aligned (every dim a multiple of 8)."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and all(d % 8 == 0 for d in dims))
+
+
+class GroupedExperts(nn.Module):
+    """n GLU experts, x [M, w] -> [M, w] for M (token, expert) pairs already sorted by expert.
+
+    w1, w2 [n, h, w] (gate, up), w3 [n, w, h] (out; `is_output_proj`), all `per_expert`.
+    E_e(x) = w3[e] glu_combine(w1[e] x, w2[e] x).
+    """
+
+    def __init__(self, n: int, width: int, hidden: int, glu: GLUConfig, init_std: float = 0.02):
+        super().__init__()
+        self.n, self.width, self.hidden, self.glu = n, width, hidden, glu
+        self.w1 = nn.Parameter(torch.empty(n, hidden, width))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, width))
+        self.w3 = nn.Parameter(torch.empty(n, width, hidden))
+        for p in (self.w1, self.w2, self.w3):
+            p.per_expert = True
+        self.w3.is_output_proj = True
+        self.reset_parameters(init_std)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, out_scale: float = 1.0) -> None:
+        """N(0, std) like every Linear of the model; the output stack w3 scaled by out_scale."""
+        self.w1.normal_(0.0, std)
+        self.w2.normal_(0.0, std)
+        self.w3.normal_(0.0, std * out_scale)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, dispatch: str = "auto") -> torch.Tensor:
+        """xs [M, w] sorted by expert, counts [n] (int64, sum M) -> [M, w]."""
+        if torch.is_autocast_enabled(xs.device.type):  # bf16-mixed: run the experts in the autocast dtype
+            xs = xs.to(torch.get_autocast_dtype(xs.device.type))
+        if dispatch == "auto":
+            dispatch = "grouped" if grouped_mm_usable(xs, self.width, self.hidden) else "loop"
+        if dispatch == "grouped":
+            return self._grouped(xs, counts)
+        if dispatch == "loop":
+            return self._loop(xs, counts)
+        raise ValueError(f"dispatch={dispatch!r}; valid: auto, grouped, loop")
+
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        dt = xs.dtype
+        w1, w2, w3 = (w.to(dt).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))  # [n, in, out]
+        gate = torch._grouped_mm(xs, w1, offs=offs)
+        up = torch._grouped_mm(xs, w2, offs=offs)
+        return torch._grouped_mm(glu_combine(gate, up, self.glu), w3, offs=offs)
+
+    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = []
+        for e, seg in enumerate(torch.split(xs, counts.tolist())):
+            if seg.shape[0]:
+                a = glu_combine(seg @ self.w1[e].T.to(seg.dtype), seg @ self.w2[e].T.to(seg.dtype), self.glu)
+                out.append(a @ self.w3[e].T.to(seg.dtype))
+        return torch.cat(out) if out else xs.new_zeros(0, self.width)
+
+
+def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing, dispatch: str = "auto") -> torch.Tensor:
+    """sum_{i in E(x)} p_i E_i(h): h [m, w] -> [m, w].
+
+    The m*k (token, expert) pairs are sorted by expert (stable), run through the experts as grouped
+    matmuls over contiguous segments, put back in (token, slot) order and summed with the weights.
+    """
+    m, k = routing.idx.shape
+    flat = routing.idx.reshape(-1)                       # [m*k] expert of each pair
+    order = torch.argsort(flat, stable=True)            # pairs sorted by expert
+    counts = torch.bincount(flat, minlength=experts.n)
+    ys = experts(h[order // k], counts, dispatch)        # [m*k, w] in sorted order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    y = ys[inverse].reshape(m, k, -1)                    # back to (token, slot)
+    return (y.float() * routing.weight[..., None]).sum(1).to(h.dtype)
+
+
+class MoE(nn.Module):
+    """Stable LatentMoE FFN: x [B, T, D] -> y [B, T, D]. See the module docstring for the options.
+
+    After forward: `aux_loss` (0-dim; non-zero only for balance=aux, training mode). Once per optimizer
+    step, after it: `update_bias()`. Logging: `stats()`.
+    """
+
+    def __init__(self, d_model: int, moe: MoEConfig, glu: GLUConfig, balance: BalanceConfig,
+                 eps: float = 1e-6, ffn_hidden: int | None = None):
+        super().__init__()
+        if moe.name == "dense":
+            raise ValueError("moe=dense is the model's plain GLU FFN; build GLU, not MoE")
+        if moe.name not in ("latent_norm", "latent", "standard"):
+            raise ValueError(f"moe.name={moe.name!r} is not an option; valid options: latent_norm, latent, standard, dense")
+        self.kind = moe.name
+        self.latent = moe.name in ("latent", "latent_norm")
+        alpha = moe.latent_ratio if self.latent else 1
+        if d_model % alpha:
+            raise ValueError(f"d_model {d_model} is not divisible by moe.latent_ratio {alpha}")
+        scale = alpha if (self.latent and moe.scale_with_latent) else 1
+        self.n_experts, self.top_k = moe.n_experts * scale, moe.top_k * scale
+        self.width = d_model // alpha
+        if moe.expert_hidden > 0:
+            self.hidden = moe.expert_hidden
+        elif ffn_hidden:
+            self.hidden = max(8, int(round(ffn_hidden / moe.top_k / 8)) * 8)
+        else:
+            self.hidden = default_expert_hidden(d_model, moe.top_k)
+        self.dispatch = "auto"  # auto | grouped (torch._grouped_mm) | loop; an attribute, set it to compare
+
+        self.router = Router(d_model, self.n_experts, self.top_k, moe.router_init_std)
+        self.experts = GroupedExperts(self.n_experts, self.width, self.hidden, glu)
+        self.shared = GLU(d_model, self.hidden * moe.n_shared, glu) if moe.n_shared > 0 else None
+        if self.latent:
+            self.down = nn.Linear(d_model, self.width, bias=False)   # W_down [w, D]
+            self.up = nn.Linear(self.width, d_model, bias=False)     # W_up [D, w]
+            self.up.is_output_proj = True
+        self.norm = RMSNorm(self.width, eps) if moe.name == "latent_norm" else None
+
+        self.balancer = build_balancer(balance, self.n_experts, self.top_k)
+        self.aux_loss = torch.zeros(())
+        # routing statistics since the last update_bias (not saved in checkpoints)
+        self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self._tokens = 0
+        self._last: dict[str, float] = {}
+
+    # --- forward --------------------------------------------------------------------------------
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [m, D] -> the routed branch [m, D] (latent: W_up [norm] sum p_i E_i(W_down x))."""
+        h = self.down(x) if self.latent else x
+        r = dispatch_combine(self.experts, h, routing, self.dispatch)
+        if self.norm is not None:
+            r = self.norm(r)
+        return self.up(r) if self.latent else r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        xf = x.reshape(B * T, D)
+        routing = self.router(xf)
+        y = self.routed(xf, routing)
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        if self.training:
+            self._observe(routing)
+            loss = self.balancer.loss(routing)
+            self.aux_loss = loss if loss is not None else x.new_zeros((), dtype=torch.float32)
+        else:
+            self.aux_loss = x.new_zeros((), dtype=torch.float32)
+        return y.reshape(B, T, D)
+
+    # --- balancing ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _observe(self, routing: Routing) -> None:
+        self.balancer.observe(routing, self.router.bias)
+        self._load += expert_load(routing.idx, self.n_experts)
+        self._entropy_sum += score_entropy(routing.scores.detach()).sum().double()
+        self._tokens += routing.idx.shape[0]
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Apply the balancing rule to the forwards since the last call (pooled over micro-batches and,
+        under torch.distributed, over ranks: a collective, so every rank must call it). The new bias
+        is used from the next forward on; every rank holds the same bias."""
+        new = self.balancer.update(self.router.bias)
+        if new is not None:
+            self.router.bias.copy_(broadcast_from_rank0(new.to(self.router.bias)))
+        self.balancer.reset()
+        load = all_reduce_sum(self._load)
+        entropy_tokens = all_reduce_sum(torch.stack([self._entropy_sum, self._entropy_sum.new_tensor(self._tokens)]))
+        if entropy_tokens[1] > 0:
+            self._last = self._summarise(load, entropy_tokens)
+        self._load.zero_()
+        self._entropy_sum.zero_()
+        self._tokens = 0
+
+    def _summarise(self, load: torch.Tensor, entropy_tokens: torch.Tensor) -> dict[str, float]:
+        ent, tokens = entropy_tokens.tolist()
+        return {
+            "maxvio": max_violation(load),
+            "dead_frac": float((load == 0).double().mean()),
+            "router_entropy": ent / max(tokens, 1.0),
+            "bias_norm": float(self.router.bias.norm()),
+        }
+
+    def stats(self) -> dict[str, float]:
+        """maxvio, dead_frac (experts with zero load), router_entropy (mean per-token entropy of the
+        normalised scores, nats), bias_norm: over this rank's training forwards since the last
+        update_bias(), or, if none, over the step that update_bias() closed (pooled over ranks)."""
+        if self._tokens:
+            return self._summarise(self._load, torch.stack([self._entropy_sum,
+                                                            self._entropy_sum.new_tensor(self._tokens)]))
+        if self._last:
+            return {**self._last, "bias_norm": float(self.router.bias.norm())}
+        return {"maxvio": float("nan"), "dead_frac": float("nan"), "router_entropy": float("nan"),
+                "bias_norm": float(self.router.bias.norm())}
+
+    # --- parameter counts -----------------------------------------------------------------------
+    def n_params_total(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def n_params_active(self) -> int:
+        """Routed experts by their top_k / n_experts share; router, shared experts, W_down/W_up, norm fully."""
+        routed = sum(p.numel() for p in self.experts.parameters())
+        return self.n_params_total() - routed + routed * self.top_k // self.n_experts
