@@ -36,7 +36,7 @@ class GLU(nn.Module):
         self.w1 = nn.Linear(d_in, hidden, bias=False)
         self.w2 = nn.Linear(d_in, hidden, bias=False)
         self.w3 = nn.Linear(hidden, d_out or d_in, bias=False)
-        self.w3.is_output_proj = True  # scaled-down init, see K3Model._init_weights
+        self.w3.is_output_proj = True  # scaled-down init, see K3Model.init_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w3(glu_combine(self.w1(x), self.w2(x), self.cfg))

@@ -1,0 +1,129 @@
+"""LightningModule: the training step, validation, router balancing and metric logging around K3Model.
+
+Metrics go straight to the trainer's loggers (JsonlLogger first, CSV/wandb as mirrors) with explicit
+steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from k3lab.config import OptimConfig
+from k3lab.model.k3 import K3Model
+from k3lab.model.moe import MoE
+from k3lab.optim import lightning_optimizers
+
+# dense bf16 peak FLOP/s by device-name fragment, for MFU
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class K3LitModule(L.LightningModule):
+    def __init__(self, model: K3Model, optim_cfg: OptimConfig, max_steps: int, log_every: int,
+                 tokens_per_step: int, flops_per_token: float):
+        super().__init__()
+        self.model = model
+        self.optim_cfg = optim_cfg
+        self.max_steps = max_steps
+        self.log_every = log_every
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = next((v for k, v in PEAK_FLOPS.items()
+                                if torch.cuda.is_available() and k in torch.cuda.get_device_name()), None)
+        self._loss_sum, self._loss_count, self._grad_norm = 0.0, 0, float("nan")
+        self._t_last = time.perf_counter()
+        self._val_loss_sum = self._val_correct = self._val_count = 0
+        self.last_val: dict[str, float] = {}
+        self.elapsed_offset = 0.0  # wall time of the run before a resume
+        self._t_start = time.perf_counter()
+
+    def on_fit_start(self):
+        self._t_start = self._t_last = time.perf_counter()
+
+    # --- training -------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss.item()} at step {self.global_step}; stopping. The last good checkpoint "
+                f"is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+        self._loss_sum += loss.item()
+        self._loss_count += 1
+        return loss + self.model.aux_loss().to(loss.device)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip).item()
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.model.update_router_biases()  # bias from step t is used from step t+1 (K3 §2.3)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        step = self.global_step
+        if step % self.log_every and step != self.max_steps:
+            return
+        now = time.perf_counter()
+        tokens_per_s = self._loss_count * self.tokens_per_step / max(now - self._t_last, 1e-9)
+        metrics = {
+            "loss/train": self._loss_sum / max(self._loss_count, 1),
+            "optim/lr": self.optimizers().param_groups[0]["lr"],
+            "optim/grad_norm": self._grad_norm,
+            "speed/tokens_per_s": tokens_per_s,
+            **self.router_metrics(),
+        }
+        if self.peak_flops:
+            metrics["speed/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
+        self.log_metrics(metrics)
+        self._loss_sum, self._loss_count, self._t_last = 0.0, 0, now
+
+    def router_metrics(self) -> dict[str, float]:
+        out, maxvio = {}, []
+        for i, sub in enumerate(self.model.sublayers):
+            if isinstance(sub.fn, MoE):
+                for name, value in sub.fn.stats().items():
+                    out[f"moe/{name}/layer{i // 2}"] = value
+                maxvio.append(out[f"moe/maxvio/layer{i // 2}"])
+        if maxvio:
+            out["moe/maxvio"] = sum(maxvio) / len(maxvio)
+        return out
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        metrics = {**metrics, "time/elapsed_s": self.elapsed_offset + time.perf_counter() - self._t_start}
+        for logger in self.trainer.loggers:
+            logger.log_metrics(dict(metrics), step=self.global_step)
+
+    # --- validation -----------------------------------------------------------------------------
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        mask = y != -100
+        self._val_loss_sum += F.cross_entropy(logits[mask], y[mask], reduction="sum").item()
+        self._val_correct += (logits[mask].argmax(-1) == y[mask]).sum().item()
+        self._val_count += mask.sum().item()
+
+    def on_validation_epoch_end(self):
+        totals = torch.tensor([self._val_loss_sum, self._val_correct, self._val_count], dtype=torch.float64,
+                              device=self.device)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        loss_sum, correct, count = totals.tolist()
+        self._val_loss_sum = self._val_correct = self._val_count = 0
+        if count == 0 or self.trainer.sanity_checking:
+            return
+        self.last_val = {"loss/val": loss_sum / count, "acc/val": correct / count}
+        self.log_metrics(self.last_val)
+        if not math.isfinite(self.last_val["loss/val"]):
+            raise NonFiniteLossError(f"validation loss is {self.last_val['loss/val']} at step {self.global_step}")
+
+    # --- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self):
+        return lightning_optimizers(self.model, self.optim_cfg, total_steps=self.max_steps)

@@ -1,0 +1,120 @@
+"""The K3-style hybrid decoder: KDA and gated MLA layers (3:1), GLU FFN or Stable LatentMoE.
+
+    tokens [B, T] -> embed -> L x (mixer sublayer, FFN sublayer) -> RMSNorm -> lm_head -> logits [B, T, V]
+
+Every sublayer is PreNorm (`f(RMSNorm(x))`); how its input is formed and its output joins the stream is
+the `residual` switch (k3lab.model.residual). Embeddings are untied by default: K3 unties them, and
+tying would put the LM head (AdamW) and the embedding under one update rule, which confounds the
+optimizer ablations.
+
+Init (`init_weights`): every parameter is drawn from its own generator, seeded by the run seed and the
+parameter's name, so a switch never shifts the initial values of tensors it does not own (an ablation
+compares the same network). Linear, embedding and stacked-expert weights ~ N(0, init_std), scaled by
+1/sqrt(2 * n_layers) for projections that write into the residual stream (`is_output_proj`, GPT-2);
+depthwise convs ~ U(+-1/sqrt(kernel)); norms at 1; a tensor with an `init` attribute (a function of the
+tensor and a generator) uses it (KDA decay parameters); others keep the value their layer gave them.
+"""
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from k3lab.config import ModelConfig
+from k3lab.model.ffn import GLU
+from k3lab.model.kda import KDA
+from k3lab.model.mla import GatedMLA
+from k3lab.model.moe import MoE
+from k3lab.model.norm import RMSNorm
+from k3lab.model.residual import build_residual
+
+
+class PreNorm(nn.Module):
+    """x -> f(RMSNorm(x))."""
+
+    def __init__(self, dim: int, fn: nn.Module, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.norm(x))
+
+
+def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.moe.name == "dense" or layer < cfg.moe.first_dense:
+        return GLU(cfg.width, cfg.ffn_hidden, cfg.glu)
+    return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps)
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (run.py takes it from the data)")
+        self.cfg = cfg
+        D, eps = cfg.width, cfg.norm_eps
+        init_seed = int(torch.randint(2**62, ()))  # drawn before any layer touches the global RNG
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.sublayers = nn.ModuleList()
+        for layer, kind in enumerate(cfg.layer_kinds()):
+            mixer = KDA(cfg) if kind == "kda" else GatedMLA(cfg)
+            self.sublayers.append(PreNorm(D, mixer, eps))
+            self.sublayers.append(PreNorm(D, build_ffn(cfg, layer), eps))
+        self.residual = build_residual(cfg.residual, len(self.sublayers), D, eps)
+        self.norm = RMSNorm(D, eps)
+        self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.init_weights(init_seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        std, out_scale = self.cfg.init_std, 1 / math.sqrt(2 * self.cfg.n_layers)
+        owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
+            module = owners[id(p)]
+            if hasattr(p, "init"):
+                p.copy_(p.init(p, gen))
+            elif isinstance(module, nn.Conv1d):
+                bound = 1 / math.sqrt(p[0].numel())
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+            elif isinstance(module, RMSNorm):
+                p.fill_(1.0)
+            elif p.ndim >= 2:
+                output = getattr(p, "is_output_proj", False) or getattr(module, "is_output_proj", False)
+                p.copy_(torch.randn(p.shape, generator=gen) * std * (out_scale if output else 1.0))
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the router auxiliary losses of the last forward (0 unless balance=aux)."""
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
+
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Balancing step; call once per optimizer step, after it (the bias is used from the next step)."""
+        for m in self.moe_layers():
+            m.update_bias()
+
+    def param_counts(self) -> dict[str, int]:
+        """total, active (routed experts counted by top_k/n_experts), and both without the input embedding."""
+        total = sum(p.numel() for p in self.parameters())
+        inactive = sum(m.n_params_total() - m.n_params_active() for m in self.moe_layers())
+        embedding = 0 if self.cfg.tie_embeddings else self.embed.weight.numel()
+        return {
+            "params_total": total,
+            "params_active": total - inactive,
+            "params_non_embedding": total - embedding,
+            "params_active_non_embedding": total - inactive - embedding,
+        }
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32)."""
+        state = self.residual.begin(self.embed(tokens))
+        for i, sublayer in enumerate(self.sublayers):
+            state = self.residual.write(state, i, sublayer(self.residual.read(state, i)))
+        return self.lm_head(self.norm(self.residual.end(state))).float()

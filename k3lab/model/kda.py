@@ -1,0 +1,96 @@
+"""Kimi Delta Attention (KDA) layer: gated delta rule with per-channel decay.
+
+Per head h, with state S_t [K, V] (Kimi Linear, arXiv:2510.26692, eq. 1):
+    S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(K)
+    a_t = exp(g_t), g_t [K] the log-decay from one of two maps (the `decay` switch):
+      sigmoid  (Kimi K3, arXiv:2607.24653, eq. 5):  g = g_min * sigmoid(exp(A_h) * z),  A_h init 0, g_min = -5
+      softplus (Kimi Linear):                        g = -exp(A_h) * softplus(z + dt_bias),
+                                                     A_h init log U(1, 16), dt_bias = softplus^-1(logU[1e-3, 1e-1])
+    z = W_f2 W_f1 x (low rank, rank K); beta_t = sigmoid(W_b x) per head.
+q, k, v pass a causal depthwise conv (size 4) and SiLU; q and k are L2-normalised per head.
+Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
+The sequence mixing itself runs through `kernels.kda.kda` (chunkwise torch, Triton or fla).
+"""
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3lab.config import ModelConfig
+from k3lab.model.norm import RMSNorm
+from kernels.kda import kda
+
+
+def _uniform_log(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
+    """A_h = log U(low, high)."""
+    return (low + (high - low) * torch.rand(p.shape, generator=gen)).log()
+
+
+def _inverse_softplus_log_uniform(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
+    """dt_bias with softplus(dt_bias) = dt ~ log-uniform[low, high]."""
+    dt = torch.exp(math.log(low) + (math.log(high) - math.log(low)) * torch.rand(p.shape, generator=gen))
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv over time followed by SiLU. x [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, channels: int, size: int):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, size, groups=channels, padding=size - 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        return F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
+
+
+class KDA(nn.Module):
+    """x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H, K = cfg.width, cfg.n_heads, cfg.head_dim
+        self.n_heads, self.head_dim, self.decay = H, K, cfg.decay
+        self.backend = cfg.kernels.backend
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            proj.weight.head_blocks = H  # per-head Muon (K3 §2.5) splits these rows by head
+        self.q_conv, self.k_conv, self.v_conv = (ShortConv(H * K, cfg.conv_size) for _ in range(3))
+        self.f_down = nn.Linear(D, K, bias=False)
+        self.f_up = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_proj = nn.Linear(D, H * K, bias=False)
+        self.o_norm = RMSNorm(K, cfg.norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.o_proj.is_output_proj = True
+        self.A_log = nn.Parameter(torch.zeros(H))  # sigmoid map: A_h = 0 at init (K3)
+        if cfg.decay.name == "softplus":
+            self.A_log.init = partial(_uniform_log, low=cfg.decay.a_init_min, high=cfg.decay.a_init_max)
+            self.dt_bias = nn.Parameter(torch.zeros(H * K))
+            self.dt_bias.init = partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max)
+
+    def log_decay(self, z: torch.Tensor) -> torch.Tensor:
+        """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0)."""
+        z = z.float()
+        A = self.A_log.float().exp()[:, None]  # [H, 1]
+        if self.decay.name == "sigmoid":
+            return self.decay.g_min * torch.sigmoid(A * z)
+        dt_bias = self.dt_bias.float().view(self.n_heads, self.head_dim)
+        return -A * F.softplus(z + dt_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        heads = lambda t: t.view(B, T, H, K)  # noqa: E731
+        q = F.normalize(heads(self.q_conv(self.q_proj(x))), dim=-1)
+        k = F.normalize(heads(self.k_conv(self.k_proj(x))), dim=-1)
+        v = heads(self.v_conv(self.v_proj(x)))
+        g = self.log_decay(heads(self.f_up(self.f_down(x))))
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, _ = kda(q, k, v, g, beta, backend=self.backend)
+        o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
+        return self.o_proj(o.reshape(B, T, H * K))

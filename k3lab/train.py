@@ -1,0 +1,219 @@
+"""One training run: composed config -> data, model, Lightning trainer -> the run directory.
+
+`run.py` (Hydra) calls `train(cfg)`. Everything a run needs to be analysed or resumed lands in its
+run directory (docs/run_directory.md).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import traceback
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from k3lab.config import (BalanceConfig, DataConfig, DecayConfig, GLUConfig, KernelsConfig, MixerConfig,
+                          ModelConfig, MoEConfig, OptimConfig, ResidualConfig)
+from k3lab.data import K3DataModule
+from k3lab.flops import flops_per_token
+from k3lab.lit import K3LitModule
+from k3lab.model.k3 import K3Model
+from k3lab.progress import progress_callback, print_run_header
+from k3lab.rundir import AtomicCheckpointIO, JsonlLogger, Summary, environment, read_metrics
+
+SWITCHES = ("decay", "glu", "balance", "optim", "residual", "moe", "mixer")
+MODEL_GROUPS = {"decay": DecayConfig, "glu": GLUConfig, "moe": MoEConfig, "balance": BalanceConfig,
+                "residual": ResidualConfig, "mixer": MixerConfig}
+
+
+def typed(schema, node) -> object:
+    """OmegaConf node -> dataclass instance; an unknown key or a wrong type raises, naming the key."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+
+
+def model_config(cfg: DictConfig, vocab_size: int) -> ModelConfig:
+    groups = {name: typed(schema, cfg[name]) for name, schema in MODEL_GROUPS.items()}
+    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
+    mc: ModelConfig = OmegaConf.to_object(model)
+    for name, value in groups.items():
+        setattr(mc, name, value)
+    mc.kernels = typed(KernelsConfig, cfg.kernels)
+    mc.vocab_size = vocab_size
+    return mc.validate()
+
+
+def default_run_name(overrides: list[str]) -> str:
+    """'decay=softplus seed=1' -> 'decay=softplus,seed=1'; no overrides -> 'k3'."""
+    skip = ("resume=", "out_dir=", "group=", "run_name=", "overwrite=", "trainer=", "logger=", "hydra")
+    kept = sorted(o for o in overrides if not o.startswith(skip))
+    return re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(kept)) or "k3"
+
+
+def find_resume_dir(cfg: DictConfig) -> Path:
+    if cfg.resume == "last":
+        candidates = sorted(Path(cfg.out_dir).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise FileNotFoundError(f"resume=last: no checkpoints/last.ckpt under {Path(cfg.out_dir).resolve()}")
+        return candidates[-1].parent.parent
+    run_dir = Path(cfg.resume)
+    if not (run_dir / "checkpoints" / "last.ckpt").exists():
+        raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
+    return run_dir
+
+
+def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Path, Path | None]:
+    """Returns (config to use, run directory, checkpoint to resume from or None)."""
+    if cfg.resume:
+        run_dir = find_resume_dir(cfg)
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        return saved, run_dir, run_dir / "checkpoints" / "last.ckpt"
+    run_dir = Path(cfg.out_dir) / cfg.group / (cfg.run_name or default_run_name(overrides))
+    if (run_dir / "summary.json").exists() and not cfg.overwrite:
+        raise FileExistsError(f"run directory {run_dir} exists; pass resume={run_dir} to continue it, "
+                              f"overwrite=true to start it again, or run_name=<new name>")
+    if cfg.overwrite and run_dir.exists():
+        for name in ("metrics.jsonl", "metrics.csv", "summary.json", "checkpoints/last.ckpt"):
+            (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / "overrides.yaml")
+    return cfg, run_dir, None
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """On resume, drop lines logged after the checkpoint, so the resumed run continues one curve."""
+    import json
+
+    rows = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int) -> L.Trainer:
+    tc = cfg.trainer
+    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                           every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
+    return L.Trainer(
+        accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, num_nodes=tc.num_nodes,
+        precision=tc.precision, max_steps=cfg.train.max_steps, max_epochs=-1,
+        val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
+        limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
+        overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
+        callbacks=[ckpt, progress_callback(cfg.train.max_steps)], plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
+        deterministic=tc.accelerator == "cpu",
+    )
+
+
+def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    cfg, run_dir, ckpt_path = prepare_run_dir(cfg, list(overrides))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    data_cfg: DataConfig = typed(DataConfig, cfg.data)
+    datamodule = K3DataModule(data_cfg, seed=cfg.seed)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    mc = model_config(cfg, datamodule.vocab_size)
+    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+
+    world = (cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1))
+    tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
+    model = K3Model(mc)
+    fpt = flops_per_token(model, data_cfg.seq_len)
+    counts = model.param_counts()
+    module = K3LitModule(model, optim_cfg, cfg.train.max_steps, cfg.train.log_every, tokens_per_step, fpt)
+
+    summary = Summary(run_dir, {
+        "run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
+        "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name, "data": cfg.data.name,
+        "kernels": cfg.kernels.backend, "n_layers": mc.n_layers, "d_model": mc.width,
+        "seq_len": data_cfg.seq_len, "tokens_per_step": tokens_per_step, "max_steps": cfg.train.max_steps,
+        **counts, "flops_per_token": fpt, "unigram_entropy": datamodule.unigram_entropy,
+        **environment(),
+    })
+    print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy, tokens_per_step)
+
+    loggers = [JsonlLogger(run_dir, tokens_per_step, fpt), CSVLogger(run_dir, name="", version="")]
+    if cfg.logger.wandb:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(project=cfg.logger.project, name=run_dir.name, save_dir=str(run_dir),
+                                   offline=cfg.logger.mode == "offline",
+                                   config=OmegaConf.to_container(cfg, resolve=True)))
+    trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches)
+    start_step = 0
+    if ckpt_path is not None:
+        start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"]
+        truncate_metrics(run_dir, start_step)
+        module.elapsed_offset = summary.data.get("wall_time_s", 0.0)
+        print(f"resuming {run_dir} from step {start_step}")
+    datamodule.set_start_step(start_step)
+    try:
+        if ckpt_path is None:
+            trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        if trainer.global_step % cfg.train.val_every:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
+        summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, module, tokens_per_step, fpt))
+        if not isinstance(err, KeyboardInterrupt):
+            traceback.print_exc()
+        raise
+    summary.finish("completed", **final_fields(run_dir, module, tokens_per_step, fpt))
+    write_run_plots(run_dir, module)
+    print_final(summary.data)
+    return summary.data
+
+
+def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: float) -> dict:
+    rows = read_metrics(run_dir)
+    val = [r["loss/val"] for r in rows if r.get("loss/val") is not None]
+    train_loss = [r["loss/train"] for r in rows if r.get("loss/train") is not None]
+    acc = [r["acc/val"] for r in rows if r.get("acc/val") is not None]
+    steps = max((r["step"] for r in rows), default=0)
+    tokens = steps * tokens_per_step
+    non_emb = module.model.param_counts()["params_active_non_embedding"]
+    return {
+        "steps": steps, "tokens": tokens, "flops": tokens * fpt, "flops_6nd": 6.0 * non_emb * tokens,
+        "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,
+        "loss_train_final": train_loss[-1] if train_loss else None, "acc_val_final": acc[-1] if acc else None,
+    }
+
+
+def write_run_plots(run_dir: Path, module: K3LitModule) -> None:
+    """Per-run figures in <run_dir>/plots: the loss curves, and MoE MaxVio when the model routes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    (run_dir / "plots").mkdir(exist_ok=True)
+    panels = [("loss", ["loss/train", "loss/val"]), ("maxvio", ["moe/maxvio"])]
+    for name, keys in panels:
+        series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
+        if not any(series.values()):
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for k, pts in series.items():
+            if pts:
+                ax.plot(*zip(*pts), label=k, marker="." if k == "loss/val" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+        if name == "maxvio":
+            ax.set_yscale("log")
+        ax.set_title(run_dir.name, fontsize=8)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(run_dir / "plots" / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+
+def print_final(s: dict) -> None:
+    gap = s["unigram_entropy"] - s["loss_val_final"] if s.get("loss_val_final") is not None else float("nan")
+    print(f"done: val loss {s['loss_val_final']:.4f} (unigram entropy {s['unigram_entropy']:.4f}, "
+          f"{gap:.3f} nats below), {s['steps']} steps, {s['tokens']:,} tokens, {s['wall_time_s']:.0f} s")
