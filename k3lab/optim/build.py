@@ -1,0 +1,115 @@
+"""Parameter grouping, the optimizer for each `optim` option, and the LR schedule.
+
+One optimizer (`Muon`, whose AdamW groups cover the non-matrix tensors) and one LambdaLR scheduler
+per run, so the LightningModule keeps automatic optimisation:
+
+    def configure_optimizers(self):
+        return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.cfg.trainer.max_steps)
+
+Options (`optim.name`):
+- muon_per_head: Muon on hidden matrices, Newton-Schulz per head on weights with `head_blocks`
+  (K3 §2.5, arXiv:2607.24653); AdamW on the rest.
+- muon: the same, whole-matrix Newton-Schulz everywhere (`head_blocks` ignored).
+- adamw: AdamW on everything at `adam_lr` (hidden matrices join the decayed AdamW group).
+All three use the same AdamW arithmetic for the tensors `split_params` sends to AdamW, so an option
+changes only how the hidden matrices are updated.
+
+Gradient clipping (`optim.grad_clip`) is the trainer's job: pass it as Lightning's
+`gradient_clip_val`; it clips the DDP-averaged gradients before `step`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from k3lab.config import OPTIMS, OptimConfig, check_choice
+from k3lab.optim.muon import Muon
+
+ADAMW_MODULE_NAMES = ("embed", "lm_head")
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split trainable parameters into (muon_params, adamw_params). The rule, in order:
+
+    AdamW takes a parameter if
+      1. it has fewer than 2 dims (norm weights, gains, biases, per-head scalars such as A_log), or
+      2. it belongs to an nn.Embedding, or to a module whose attribute name is `embed` or `lm_head`
+         (at any depth, so a wrapper such as a LightningModule holding `model` is fine), or
+      3. it belongs to a convolution (the short depthwise convs: [C, 1, k] kernels are per-channel
+         filters, not matrices), or
+      4. it carries `no_muon = True` (an escape hatch a layer can set on any tensor).
+    Muon takes every other parameter: 2-D hidden weights and 3-D stacked expert weights [E, out, in].
+
+    Tied weights are listed once (under their first name). Frozen parameters are left out. The two
+    lists partition the trainable parameters: nothing lost, nothing duplicated.
+    """
+    owner: dict[int, nn.Module] = {}
+    owner_name: dict[int, str] = {}
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), mod)
+            owner_name.setdefault(id(p), mod_name)
+    muon, adamw = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        mod, mod_name = owner[id(p)], owner_name[id(p)]
+        to_adamw = (
+            p.ndim < 2
+            or isinstance(mod, nn.Embedding)
+            or mod_name.rsplit(".", 1)[-1] in ADAMW_MODULE_NAMES
+            or isinstance(mod, nn.modules.conv._ConvNd)
+            or getattr(p, "no_muon", False)
+        )
+        (adamw if to_adamw else muon).append(p)
+    return muon, adamw
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Param groups for `Muon`: a Muon group (absent under adamw), AdamW with weight decay for
+    tensors of >= 2 dims (embedding, head; plus all hidden matrices under adamw), AdamW without
+    weight decay for 1-D tensors. Empty groups are dropped; each group has a `name` for logging."""
+    check_choice("optim", cfg.name, OPTIMS)
+    muon, adamw = split_params(model)
+    if cfg.name == "adamw":
+        muon, adamw = [], muon + adamw
+    common_adam = dict(use_muon=False, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    groups = [
+        dict(name="muon", params=muon, use_muon=True, lr=cfg.lr, weight_decay=cfg.weight_decay,
+             momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+             per_head=cfg.name == "muon_per_head"),
+        dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
+        dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Multiplier of the peak LR for optimizer step s (0-based): linear warmup (s+1)/warmup reaching 1
+    at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after."""
+    if total_steps <= warmup_steps:
+        raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
+                    ) -> tuple[Muon, torch.optim.lr_scheduler.LambdaLR]:
+    """The run's optimizer and its per-step scheduler (call `scheduler.step()` after each `opt.step()`)."""
+    opt = Muon(param_groups(model, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    return opt, sched
+
+
+def lightning_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dict:
+    """What LightningModule.configure_optimizers returns: one optimizer, scheduler stepped every step."""
+    opt, sched = build_optimizer(model, cfg, total_steps)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}

@@ -1,0 +1,327 @@
+"""Muon / AdamW optimizers, the parameter split and the LR schedule (k3lab.optim)."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3lab.config import OptimConfig
+from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, newton_schulz, orthogonal_update,
+                         param_groups, split_params)
+
+RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
+
+# --------------------------------------------------------------------------- a toy model
+
+
+class ToyLM(nn.Module):
+    """Every kind of tensor the real model has: embedding, Q/K/V with head_blocks, a biased output
+    projection, a 1-D norm gain, a depthwise conv, a 3-D expert stack and an LM head."""
+
+    def __init__(self, vocab=32, d=32, heads=4, experts=3, tie=False):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.conv = nn.Conv1d(d, d, 4, groups=d, padding=3, bias=False)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            proj.weight.head_blocks = heads
+        self.o_proj = nn.Linear(d, d, bias=True)
+        self.norm_weight = nn.Parameter(torch.ones(d))
+        self.experts = nn.Parameter(torch.randn(experts, d, d) / math.sqrt(d))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.embed(idx)
+        x = x + self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)
+        h = F.rms_norm(x, (x.shape[-1],), self.norm_weight)
+        q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.o_proj(a)
+        x = x + torch.einsum("btd,eod->bto", x, self.experts) / self.experts.shape[0]
+        return self.lm_head(x)
+
+
+def seeded_toy(**kw):
+    torch.manual_seed(0)
+    return ToyLM(**kw)
+
+
+def toy_batch(seed=0, vocab=32, B=8, T=16):
+    """Sequences where token t+1 = (3 * token t + 1) mod vocab: learnable from the previous token."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (B, 1), generator=g)
+    seq = [start]
+    for _ in range(T):
+        seq.append((3 * seq[-1] + 1) % vocab)
+    seq = torch.cat(seq, 1)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def one_step_delta(p0, grad, **group):
+    """Parameter change after one optimizer step on a single parameter with the given grad."""
+    p = nn.Parameter(p0.clone())
+    if hasattr(p0, "head_blocks"):
+        p.head_blocks = p0.head_blocks
+    opt = Muon([dict(params=[p], use_muon=True, **group)])
+    p.grad = grad.clone()
+    opt.step()
+    return (p.detach() - p0).clone()
+
+
+# --------------------------------------------------------------------------- Newton-Schulz
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (36, 100), (100, 36), (4, 16, 48), (3, 48, 16)])
+def test_newton_schulz_singular_values_in_band(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    o = newton_schulz(g)
+    assert o.shape == g.shape and o.dtype == torch.bfloat16
+    s = torch.linalg.svdvals(o.float())
+    assert s.min() > 0.65 and s.max() < 1.2, (s.min().item(), s.max().item())
+    # same singular vectors as the exact polar factor U V^T
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    cos = F.cosine_similarity(o.float().flatten(), (u @ vh).flatten(), dim=0)
+    assert cos > 0.97
+
+
+def test_newton_schulz_square_bulk_in_band():
+    # square Gaussian matrices have near-zero singular values that 5 steps cannot lift; the bulk lands
+    s = torch.linalg.svdvals(newton_schulz(torch.randn(96, 96)).float())
+    inside = ((s > 0.65) & (s < 1.25)).float().mean()
+    assert inside > 0.9 and s.max() < 1.25
+
+
+# --------------------------------------------------------------------------- the Muon update
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (64, 64)])
+def test_update_scale_rule_and_rms(shape):
+    g = torch.randn(*shape)
+    delta = one_step_delta(torch.zeros(shape), g, lr=1.0, weight_decay=0.0, momentum=0.95, nesterov=True)
+    expected = -RMS * math.sqrt(max(shape)) * newton_schulz(g.add(g, alpha=0.95)).float()
+    torch.testing.assert_close(delta, expected, rtol=0, atol=1e-6)
+    rms = delta.pow(2).mean().sqrt()
+    assert 0.14 < rms < 0.22, rms  # about 0.2 whatever the shape: AdamW-like update RMS (Moonlight)
+
+
+def test_nesterov_and_heavy_ball_directions():
+    torch.manual_seed(0)
+    g1, g2 = torch.randn(16, 24), torch.randn(16, 24)
+    for nesterov in (True, False):
+        p = nn.Parameter(torch.zeros(16, 24))
+        opt = Muon([dict(params=[p], use_muon=True, lr=1.0, weight_decay=0.0, momentum=0.9, nesterov=nesterov)])
+        p.grad = g1.clone()
+        opt.step()
+        before = p.detach().clone()
+        p.grad = g2.clone()
+        opt.step()
+        m = 0.9 * g1 + g2
+        u = g2 + 0.9 * m if nesterov else m
+        torch.testing.assert_close(p.detach() - before, -orthogonal_update(u, None, 5), rtol=0, atol=1e-6)
+
+
+def test_decoupled_weight_decay():
+    p0 = torch.randn(8, 12)
+    delta = one_step_delta(p0, torch.zeros(8, 12), lr=0.5, weight_decay=0.1)
+    torch.testing.assert_close(delta, -0.05 * p0)
+
+
+def test_per_head_equals_blockwise_ns_and_differs_from_whole():
+    H, dh, D = 4, 16, 32  # block [16, 32] -> scale sqrt(32); whole [64, 32] -> scale sqrt(64)
+    w = torch.zeros(H * dh, D)
+    w.head_blocks = H
+    g = torch.randn(H * dh, D)
+    per_head = one_step_delta(w, g, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=True)
+    blocks = [-RMS * math.sqrt(max(dh, D)) * newton_schulz(b).float() for b in g.split(dh, dim=0)]
+    torch.testing.assert_close(per_head, torch.cat(blocks), rtol=0, atol=2e-3)
+    whole = -RMS * math.sqrt(H * dh) * newton_schulz(g).float()
+    assert (per_head - whole).norm() > 0.3 * whole.norm()
+
+
+def test_muon_ignores_head_blocks():
+    w = torch.zeros(64, 32)
+    w.head_blocks = 4
+    g = torch.randn(64, 32)
+    delta = one_step_delta(w, g, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=False)
+    torch.testing.assert_close(delta, -RMS * math.sqrt(64) * newton_schulz(g).float(), rtol=0, atol=1e-6)
+
+
+def test_expert_stack_is_orthogonalised_per_slice():
+    E, out, inp = 3, 16, 40
+    g = torch.randn(E, out, inp)
+    delta = one_step_delta(torch.zeros(E, out, inp), g, lr=1.0, weight_decay=0.0, momentum=0.0)
+    for e in range(E):
+        expected = -RMS * math.sqrt(max(out, inp)) * newton_schulz(g[e]).float()
+        torch.testing.assert_close(delta[e], expected, rtol=0, atol=2e-3)
+
+
+def test_bad_inputs_fail_loudly():
+    with pytest.raises(ValueError, match="2-D or 3-D"):
+        Muon([dict(params=[nn.Parameter(torch.ones(4))], use_muon=True)])
+    with pytest.raises(ValueError, match="use_muon"):
+        Muon([dict(params=[nn.Parameter(torch.ones(4, 4))])])
+    w = torch.zeros(10, 8)
+    w.head_blocks = 3
+    with pytest.raises(ValueError, match="does not divide"):
+        one_step_delta(w, torch.randn(10, 8), per_head=True)
+
+
+def test_adamw_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(6, 5))
+    b = nn.Parameter(a.detach().clone())
+    ours = Muon([dict(params=[a], use_muon=False, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)])
+    ref = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for _ in range(5):
+        g = torch.randn(6, 5)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- the parameter split
+
+def test_split_params_rule():
+    model = ToyLM()
+    muon, adamw = split_params(model)
+    ids = lambda ps: {id(p) for p in ps}  # noqa: E731
+    expect_muon = {model.q_proj.weight, model.k_proj.weight, model.v_proj.weight, model.o_proj.weight,
+                   model.experts}
+    expect_adamw = {model.embed.weight, model.lm_head.weight, model.norm_weight, model.o_proj.bias,
+                    model.conv.weight}
+    assert ids(muon) == ids(expect_muon)
+    assert ids(adamw) == ids(expect_adamw)
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+    assert ids(muon) | ids(adamw) == ids(model.parameters()) and not ids(muon) & ids(adamw)
+
+
+def test_split_params_tied_and_wrapped():
+    model = ToyLM(tie=True)
+    muon, adamw = split_params(model)
+    assert sum(p is model.embed.weight for p in adamw) == 1  # tied table listed once
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+
+    class Wrapper(nn.Module):  # e.g. a LightningModule holding the model
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+    wm, wa = split_params(Wrapper(model))
+    assert [id(p) for p in wm] == [id(p) for p in muon] and [id(p) for p in wa] == [id(p) for p in adamw]
+
+
+def test_param_groups_per_option():
+    model = ToyLM()
+    cfg = OptimConfig()
+    n_params = len(list(model.parameters()))
+    by_name = lambda name: {g["name"]: g for g in param_groups(model, OptimConfig(name=name))}  # noqa: E731
+
+    g = by_name("muon_per_head")
+    assert g["muon"]["per_head"] is True and g["muon"]["lr"] == cfg.lr
+    assert g["adamw"]["lr"] == cfg.adam_lr and g["adamw_no_decay"]["weight_decay"] == 0.0
+    assert sum(len(x["params"]) for x in g.values()) == n_params
+    assert by_name("muon")["muon"]["per_head"] is False
+
+    g = by_name("adamw")
+    assert "muon" not in g and all(not x["use_muon"] for x in g.values())
+    assert all(x["lr"] == cfg.adam_lr for x in g.values())
+    assert sum(len(x["params"]) for x in g.values()) == n_params
+    with pytest.raises(ValueError, match="valid options"):
+        param_groups(model, OptimConfig(name="sgd"))
+
+
+# --------------------------------------------------------------------------- schedule
+
+def test_lr_schedule_warmup_peak_cosine_end():
+    cfg = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
+    opt, sched = build_optimizer(ToyLM(), cfg, total_steps=110)
+    lrs = {g["name"]: [] for g in opt.param_groups}
+    for _ in range(115):
+        for g in opt.param_groups:
+            lrs[g["name"]].append(g["lr"])
+        opt.step()
+        sched.step()
+    for name, peak in (("muon", cfg.lr), ("adamw", cfg.adam_lr)):
+        lr = lrs[name]
+        assert lr[0] == pytest.approx(peak / 10)
+        assert lr[9] == pytest.approx(peak) and lr[10] == pytest.approx(peak)
+        assert max(lr) == pytest.approx(peak)
+        assert lr[60] == pytest.approx(peak * 0.55)  # cosine half-way: (1 + 0.1) / 2
+        assert lr[110] == pytest.approx(peak * 0.1) and lr[114] == pytest.approx(peak * 0.1)
+        assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+
+
+def test_lightning_config_shape():
+    conf = lightning_optimizers(ToyLM(), OptimConfig(), total_steps=100)
+    assert isinstance(conf["optimizer"], Muon)
+    assert conf["lr_scheduler"]["interval"] == "step"
+    assert conf["lr_scheduler"]["scheduler"].optimizer is conf["optimizer"]
+
+
+# --------------------------------------------------------------------------- training, determinism, resume
+
+@pytest.mark.parametrize("name", ["muon_per_head", "muon", "adamw"])
+def test_toy_model_trains(name):
+    model = seeded_toy()
+    opt, sched = build_optimizer(model, OptimConfig(name=name, warmup_steps=3), total_steps=25)
+    batch = toy_batch()
+    first = loss_of(model, batch).item()
+    for step in range(25):
+        opt.zero_grad()
+        loss = loss_of(model, toy_batch(seed=step))
+        loss.backward()
+        opt.step()
+        sched.step()
+    last = loss_of(model, batch).item()
+    assert last < 0.55 * first, (first, last)  # about 0.4 with each option; 1.0 if nothing moved
+
+
+def test_same_grads_give_bitwise_same_update():
+    """What DDP relies on: ranks holding equal params, state and (averaged) grads stay equal."""
+    a, b = seeded_toy(), seeded_toy()
+    opt_a, _ = build_optimizer(a, OptimConfig(warmup_steps=2), total_steps=10)
+    opt_b, _ = build_optimizer(b, OptimConfig(warmup_steps=2), total_steps=10)
+    for step in range(4):
+        loss_of(a, toy_batch(seed=step)).backward()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.grad = pa.grad.clone()
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_state_dict_resume_is_exact():
+    def run(steps, model, opt, sched, start=0):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            loss_of(model, toy_batch(seed=step)).backward()
+            opt.step()
+            sched.step()
+
+    ref, resumed = seeded_toy(), seeded_toy()  # not deepcopy: it drops the head_blocks attribute
+    cfg = OptimConfig(warmup_steps=3)
+    opt, sched = build_optimizer(ref, cfg, total_steps=20)
+    run(10, ref, opt, sched)
+    saved = (copy.deepcopy(ref.state_dict()), copy.deepcopy(opt.state_dict()), sched.state_dict())
+    run(5, ref, opt, sched, start=10)
+
+    opt2, sched2 = build_optimizer(resumed, cfg, total_steps=20)
+    resumed.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    run(5, resumed, opt2, sched2, start=10)
+    for pa, pb in zip(ref.parameters(), resumed.parameters()):
+        assert torch.equal(pa, pb)
