@@ -110,7 +110,8 @@ def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing,
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     y = ys[inverse].reshape(m, k, -1)                    # back to (token, slot)
-    return (y.float() * routing.weight[..., None]).sum(1).to(h.dtype)
+    acc = torch.promote_types(y.dtype, torch.float32)    # mix in fp32 (or fp64) whatever the expert dtype
+    return (y.to(acc) * routing.weight[..., None].to(acc)).sum(1).to(h.dtype)
 
 
 class MoE(nn.Module):
@@ -166,7 +167,7 @@ class MoE(nn.Module):
         h = self.down(x) if self.latent else x
         r = dispatch_combine(self.experts, h, routing, self.dispatch)
         if self.norm is not None:
-            r = self.norm(r)
+            r = self.norm(r.float()).to(r.dtype)   # fp32 statistics also under bf16
         return self.up(r) if self.latent else r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
