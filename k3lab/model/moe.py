@@ -167,7 +167,7 @@ class MoE(nn.Module):
         h = self.down(x) if self.latent else x
         r = dispatch_combine(self.experts, h, routing, self.dispatch)
         if self.norm is not None:
-            r = self.norm(r.float()).to(r.dtype)   # fp32 statistics also under bf16
+            r = self.norm(r.to(torch.promote_types(r.dtype, torch.float32))).to(r.dtype)  # fp32 stats under bf16
         return self.up(r) if self.latent else r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
