@@ -1,0 +1,307 @@
+"""Triton backward kernels for chunkwise KDA (notation of ``triton_fwd.py``; arXiv:2510.26692).
+
+The forward stores the chunk-entry states S_n (fp32) and delta, so the backward does not recompute
+them (measured choice: see benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
+leaving the chunk and Kd = K * e^{G_last - G}:
+
+    d delta = P^T dO + Kd dS'                                         (``_bwd_state``, reverse pass)
+    dS      = scale (q e^G)^T dO + Diag(e^{G_last}) dS' - W^T d delta
+    dP      = dO delta^T,   dW = -d delta S^T,   dKd = delta dS'^T,   dU = d delta
+    dTinv   = dU (beta V)^T + dW (beta K e^G)^T,  dA = -Tinv^T dTinv Tinv^T (strictly lower)
+    dv      = beta * Tinv^T dU,  d(beta K e^G) = Tinv^T dW                (``_bwd_local_v``)
+
+and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (A: a = b = k;
+P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
+dG += a * da - b * db (``_bwd_local_k``, same overflow-safe splits as the forward). Finally
+dg = reverse cumulative sum of dG within the chunk.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_fwd import BC, BT, _load_row, _load_tile, _pow2, dot_precision
+
+
+@triton.jit
+def _bwd_state(
+    q, k, W, G, P, do, dht, dHs, dDl, dh0, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
+    and d delta (dDl [B, T, H, V]), and the initial-state gradient."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    hmask = (ck[:, None] < K) & (cv[None, :] < V)
+    hoff = ck[:, None] * V + cv[None, :]
+    if USE_DHT:
+        dh = tl.load(dht + i_bh * K * V + hoff, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
+    stride_k = H * K
+    stride_v = H * V
+    r = tl.arange(0, BTC)
+    for i in range(NT):
+        n = NT - 1 - i
+        t0 = n * BTC
+        T_local = T - t0
+        tl.store(dHs + (i_bh * NT + n) * K * V + hoff, dh, mask=hmask)
+        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
+        p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
+        dO = _load_tile(do + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
+        dd = tl.dot(tl.trans(p), dO, input_precision=PREC) + tl.dot(kd, dh, input_precision=PREC)
+        tl.store(dDl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], dd,
+                 mask=(r[:, None] < T_local) & (cv[None, :] < V))
+        qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
+        w = _load_tile(W + base_k, 0, T_local, stride_k, K, BTC, BK)
+        dh = (tl.dot(tl.trans(qg), dO, input_precision=PREC) + dh * tl.exp(g_last)[:, None]
+              - tl.dot(tl.trans(w), dd, input_precision=PREC))
+    if STORE_DH0:
+        tl.store(dh0 + i_bh * K * V + hoff, dh, mask=hmask)
+
+
+@triton.jit
+def _bwd_local_v(
+    q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BTC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk: every gradient that contracts over V (dv, dbeta, dP, dA and the partial dq, dk, dG)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride_k = H * K
+    stride_v = H * V
+    r = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    cm_off = (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]
+    Ti = tl.load(Tinv + cm_off)
+    bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    kk = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK)
+    qq = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK)
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+    dP = tl.zeros([BTC, BTC], dtype=tl.float32)
+    dT = tl.zeros([BTC, BTC], dtype=tl.float32)
+    dQ1 = tl.zeros([BTC, BK], dtype=tl.float32)
+    dW = tl.zeros([BTC, BK], dtype=tl.float32)
+    dKd = tl.zeros([BTC, BK], dtype=tl.float32)
+    db = tl.zeros([BTC], dtype=tl.float32)
+    dglast = tl.zeros([BK], dtype=tl.float32)
+    for iv in range(tl.cdiv(V, BV)):
+        nv = V - iv * BV
+        cv = iv * BV + tl.arange(0, BV)
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
+        dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        vv = _load_tile(v + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        hmask = (ck[:, None] < K) & (cv[None, :] < V)
+        hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
+        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
+        dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
+        dP += tl.dot(dO, tl.trans(dl), input_precision=PREC)
+        dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
+        dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
+        dKd += tl.dot(dl, tl.trans(dh), input_precision=PREC)
+        dT += tl.dot(ddl, tl.trans(vv * bt[:, None]), input_precision=PREC)
+        dXv = tl.dot(tl.trans(Ti), ddl, input_precision=PREC)
+        tl.store(dv + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :],
+                 (dXv * bt[:, None]).to(dv.dtype.element_ty), mask=(r[:, None] < T_local) & (cv[None, :] < V))
+        db += tl.sum(dXv * vv, axis=1)
+        dglast += tl.sum(h * dh, axis=1)
+    eG = tl.exp(Gc)
+    ke = kk * eG
+    dT += tl.dot(dW, tl.trans(ke * bt[:, None]), input_precision=PREC)
+    dXk = tl.dot(tl.trans(Ti), dW, input_precision=PREC)
+    dk = dXk * eG * bt[:, None]
+    db += tl.sum(dXk * ke, axis=1)
+    dG = dXk * ke * bt[:, None]
+    dA = -tl.dot(tl.trans(Ti), tl.dot(dT, tl.trans(Ti), input_precision=PREC), input_precision=PREC)
+    dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
+    at = tl.load(At + cm_off)
+    db += tl.sum(dA * at, axis=1)
+    tl.store(dAs + cm_off, dA * bt[:, None])
+    tl.store(dPs + cm_off, tl.where(r[:, None] >= r[None, :], dP * scale, 0.0))
+    dq = dQ1 * eG * scale
+    dG += qq * dq
+    decay = tl.exp(g_last[None, :] - Gc)
+    kd = kk * decay
+    dk += dKd * decay
+    dG -= kd * dKd
+    dglast = dglast * tl.exp(g_last) + tl.sum(kd * dKd, axis=0)
+    poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
+    pmask = (r[:, None] < BTC) & (ck[None, :] < K)
+    tl.store(dq_p + poff, dq, mask=pmask)
+    tl.store(dk_p + poff, dk, mask=pmask)
+    tl.store(dG_p + poff, dG, mask=pmask)
+    tl.store(dgl + (i_bh * NT + i_n) * K + ck, dglast, mask=ck < K)
+    tl.store(dbeta + i_b * T * H + i_h + (t0 + r) * H, db, mask=r < T_local)
+
+
+@triton.jit
+def _rows_da(
+    Mn, b, Gall, G_n, n, b_ptr, b_stride, G_ptr, T_local, K,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+):
+    """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n. Mn: [BC, BT] those rows of a
+    lower-triangular M; b, Gall: [BT, BK]. Returns [BC, BK]."""
+    cols = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    if SAFE:
+        g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
+        e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
+        out = tl.exp(G_n - g_mid[None, :]) * tl.dot(Mn, b * tl.exp(e_col), input_precision=PREC)
+    else:
+        g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
+        e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
+        Moff = tl.where(cols[None, :] < n * BCC, Mn, 0.0)
+        out = tl.exp(G_n - g_first[None, :]) * tl.dot(Moff, b * tl.exp(tl.minimum(e_col, 0.0)),
+                                                      input_precision=PREC)
+        for j in range(BCC):
+            t = n * BCC + j
+            m_col = tl.sum(tl.where(cols[None, :] == t, Mn, 0.0), axis=1)
+            b_j = _load_row(b_ptr, t, T_local, b_stride, K, BK)
+            G_j = _load_row(G_ptr, t, BTC, K, K, BK)
+            out += m_col[:, None] * b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
+    return out
+
+
+@triton.jit
+def _cols_db(
+    Mt, a, Gall, G_m, m, a_ptr, a_stride, G_ptr, T_local, K,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+):
+    """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m. Mt: [BC, BT] with
+    Mt[j, i] = M[i, m*BC + j] (M lower-triangular); a, Gall: [BT, BK]. Returns [BC, BK]."""
+    cols = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    if SAFE:
+        g_mid = tl.load(G_ptr + (m * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
+        e_row = tl.where(cols[:, None] >= m * BCC, Gall - g_mid[None, :], 0.0)
+        out = tl.exp(g_mid[None, :] - G_m) * tl.dot(Mt, a * tl.exp(e_row), input_precision=PREC)
+    else:
+        g_end = tl.load(G_ptr + (m * BCC + BCC - 1) * K + ck, mask=ck < K, other=0.0)
+        later = cols >= (m + 1) * BCC
+        e_row = tl.where(later[:, None], Gall - g_end[None, :], 0.0)
+        Moff = tl.where(later[None, :], Mt, 0.0)
+        out = tl.exp(g_end[None, :] - G_m) * tl.dot(Moff, a * tl.exp(tl.minimum(e_row, 0.0)),
+                                                    input_precision=PREC)
+        for i in range(BCC):
+            t = m * BCC + i
+            m_row = tl.sum(tl.where(cols[None, :] == t, Mt, 0.0), axis=1)
+            a_t = _load_row(a_ptr, t, T_local, a_stride, K, BK)
+            G_t = _load_row(G_ptr, t, BTC, K, K, BK)
+            out += m_row[:, None] * a_t[None, :] * tl.exp(tl.minimum(G_t[None, :] - G_m, 0.0))
+    return out
+
+
+@triton.jit
+def _bwd_local_k(
+    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, T, H: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk: gradients through the decayed products A (a = b = k) and P (a = q, b = k), then
+    dg = reverse cumulative sum of dG. Sub-blocks are visited last to first to carry that sum."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride_k = H * K
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    q_ptr = q + base_k
+    k_ptr = k + base_k
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
+    qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
+    Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    ck = tl.arange(0, BK)
+    cols = tl.arange(0, BTC)
+    r16 = tl.arange(0, BCC)
+    mbase = (i_bh * NT * BTC + t0) * BTC
+    pbase = (i_bh * NT * BTC + t0) * K
+    carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
+    for nn in tl.static_range(BTC // BCC):
+        n = BTC // BCC - 1 - nn
+        rows = n * BCC + r16
+        G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+        k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+        q_n = _load_tile(q_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+        row_off = mbase + rows[:, None] * BTC + cols[None, :]
+        col_off = mbase + cols[None, :] * BTC + rows[:, None]          # [j, i] -> M[i, j]
+        dP_r = tl.load(dPs + row_off)
+        dA_r = tl.load(dAs + row_off)
+        dP_c = tl.load(dPs + col_off)
+        dA_c = tl.load(dAs + col_off)
+        x1 = _rows_da(dP_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
+        x2 = _cols_db(dP_c, qq, Gall, G_n, n, q_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
+        x3 = _rows_da(dA_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
+        x4 = _cols_db(dA_c, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
+        poff = pbase + rows[:, None] * K + ck[None, :]
+        pmask = ck[None, :] < K
+        dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
+        dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
+        dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
+        s = tl.sum(dG_n, axis=0)
+        dg_n = carry[None, :] + s[None, :] - tl.cumsum(dG_n, axis=0) + dG_n
+        carry += s
+        out_off = base_k + rows[:, None] * stride_k + ck[None, :]
+        omask = (rows[:, None] < T_local) & (ck[None, :] < K)
+        tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
+        tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
+        tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
+
+
+def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate):
+    """Launch the backward kernels. Returns dq, dk, dv, dg (of the log-decay g), dbeta and the
+    initial-state gradient (None without an initial state)."""
+    import torch
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    Tp = NT * BT
+    BK, BV = _pow2(K), min(64, _pow2(V))
+    prec = dot_precision(q.dtype)
+    dev = q.device
+    f32 = torch.float32
+    G, At, P, Tinv, W, Hs, Dl = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Hs", "Dl"))
+    do = do.contiguous()
+    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
+    dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
+    dummy = G
+    _bwd_state[(triton.cdiv(V, BV), B * H)](
+        q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
+        float(scale), T, H, K, V, BK, BV, BT, dht is not None, dh0 is not None, prec)
+    dv = torch.empty_like(v)
+    dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    dk_p = torch.empty_like(dq_p)
+    dG_p = torch.empty_like(dq_p)
+    dgl = torch.empty(B, H, NT, K, device=dev, dtype=f32)
+    dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
+    _bwd_local_v[(NT, B * H)](
+        q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
+        float(scale), T, H, K, V, BK, BV, BT, prec)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
+    _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, T, H, K, BK, BT, BC,
+                              bool(safe_gate), prec)
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0

@@ -1,0 +1,392 @@
+"""Triton forward kernels for chunkwise Kimi Delta Attention (Kimi Linear, arXiv:2510.26692, sec. 3).
+
+Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py`` for the derivation):
+    G      within-chunk cumulative log-decay, G_t = sum_{s <= t} g_s                      [BT, K]
+    At_ij  sum_k k_ik k_jk e^{G_ik - G_jk} for j < i (no beta)                            [BT, BT]
+    P_ij   scale * sum_k q_ik k_jk e^{G_ik - G_jk} for j <= i                              [BT, BT]
+    Tinv   (I + Diag(beta) At)^{-1}  (the UT / WY transform)                              [BT, BT]
+    U, W   Tinv Diag(beta) V,  Tinv Diag(beta) (K * e^G)                                  [BT, V], [BT, K]
+    D      delta = U - W S_n   (S_n the state entering the chunk)                         [BT, V]
+    o      scale (q * e^G) S_n + P D
+    S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
+
+Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
+16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over
+chunks, one program per (b, h, V-block)), ``_output``.
+
+Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
+inside ``tl.dot``: with SAFE = False (any gate, e.g. softplus) the split points are the first row
+of the query's 16-row sub-block (all exponents <= 0), and the 16x16 diagonal sub-blocks are formed
+pair by pair; with SAFE = True (gate bounded below, g >= -5 as in K3's sigmoid map) the split point
+is the middle row of the sub-block, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal
+sub-blocks are tensor-core matmuls too (K3 sec. 2.1.1).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BT = 64  # chunk size
+BC = 16  # sub-block size
+
+
+@triton.jit
+def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
+    """Rows r0 .. r0+NR of a row-major matrix (row stride ``stride``), zero where row >= nrows or
+    col >= ncols, as float32 [NR, NC]."""
+    r = r0 + tl.arange(0, NR)
+    c = tl.arange(0, NC)
+    m = (r[:, None] < nrows) & (c[None, :] < ncols)
+    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_row(ptr, r, nrows, stride, ncols, NC: tl.constexpr):
+    c = tl.arange(0, NC)
+    rr = c * 0 + r
+    return tl.load(ptr + rr * stride + c, mask=(c < ncols) & (rr < nrows), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_cumsum(
+    g, A_log, dt_bias, G, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr,
+):
+    """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay. GATE: 0 = g given, 1 = sigmoid
+    map g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
+    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    x = _load_tile(g + (i_b * T * H + i_h) * K, i_n * BTC, T, H * K, K, BTC, BK)
+    c = tl.arange(0, BK)
+    r = i_n * BTC + tl.arange(0, BTC)
+    valid = (r[:, None] < T) & (c[None, :] < K)
+    if GATE == 1:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        x = G_MIN * tl.sigmoid(a * x)
+    elif GATE == 2:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)
+        z = x + bias[None, :]
+        sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        x = -a * sp
+    x = tl.where(valid, x, 0.0)
+    Gc = tl.cumsum(x, axis=0)
+    base = G + (i_bh * NT * BTC) * K
+    tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
+
+
+@triton.jit
+def _decayed_rows(
+    a_n, G_n, b, Gall, n, b_ptr, b_stride, G_ptr, T_local, K,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr,
+    STRICT: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+):
+    """Rows n*BC .. n*BC+BC of M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (j < i, or j <= i unless STRICT).
+
+    a_n, G_n: [BC, BK] those rows of a and G; b, Gall: [BT, BK] the whole chunk; b_ptr / G_ptr point at
+    row 0 of the chunk (rows t of b beyond T_local read as zero). Returns float32 [BC, BT]."""
+    rows = n * BCC + tl.arange(0, BCC)
+    cols = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    if SAFE:
+        g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
+        e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
+        M = tl.dot(a_n * tl.exp(G_n - g_mid[None, :]), tl.trans(b * tl.exp(e_col)), input_precision=PREC)
+    else:
+        g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
+        e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
+        M = tl.dot(a_n * tl.exp(G_n - g_first[None, :]), tl.trans(b * tl.exp(tl.minimum(e_col, 0.0))),
+                   input_precision=PREC)
+        M = tl.where(cols[None, :] < n * BCC, M, 0.0)
+        for j in range(BCC):
+            t = n * BCC + j
+            b_j = _load_row(b_ptr, t, T_local, b_stride, K, BK)
+            G_j = _load_row(G_ptr, t, BTC, K, K, BK)
+            col = tl.sum(a_n * b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0)), axis=1)
+            M = tl.where(cols[None, :] == t, col[:, None], M)
+    if STRICT:
+        M = tl.where(rows[:, None] > cols[None, :], M, 0.0)
+    else:
+        M = tl.where(rows[:, None] >= cols[None, :], M, 0.0)
+    return M
+
+
+@triton.jit
+def _intra(
+    q, k, G, At, P, scale, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+):
+    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT]."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride = H * K
+    q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
+    k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    kk = _load_tile(k_ptr, 0, T_local, stride, K, BTC, BK)
+    Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    cols = tl.arange(0, BTC)
+    out_base = (i_bh * NT * BTC + t0) * BTC
+    for n in tl.static_range(BTC // BCC):
+        rows = n * BCC + tl.arange(0, BCC)
+        G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+        k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
+        q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
+        a = _decayed_rows(k_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
+                          BTC, BCC, BK, True, SAFE, PREC)
+        p = _decayed_rows(q_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
+                          BTC, BCC, BK, False, SAFE, PREC)
+        offs = out_base + rows[:, None] * BTC + cols[None, :]
+        tl.store(At + offs, a)
+        tl.store(P + offs, p * scale)
+
+
+@triton.jit
+def _blk(ptr, n, m, BTC: tl.constexpr, BCC: tl.constexpr):
+    """The (n, m) 16x16 block of a [BT, BT] row-major matrix."""
+    r = n * BCC + tl.arange(0, BCC)
+    c = m * BCC + tl.arange(0, BCC)
+    return tl.load(ptr + r[:, None] * BTC + c[None, :])
+
+
+@triton.jit
+def _store_blk(ptr, n, m, X, BTC: tl.constexpr, BCC: tl.constexpr):
+    r = n * BCC + tl.arange(0, BCC)
+    c = m * BCC + tl.arange(0, BCC)
+    tl.store(ptr + r[:, None] * BTC + c[None, :], X)
+
+
+@triton.jit
+def _store_rows(ptr, n, nrows, stride, ncols, X, BCC: tl.constexpr, NC: tl.constexpr):
+    """Store X [BC, NC] as rows n*BC .. of a row-major matrix, rows < nrows and cols < ncols only."""
+    r = n * BCC + tl.arange(0, BCC)
+    c = tl.arange(0, NC)
+    tl.store(ptr + r[:, None] * stride + c[None, :], X, mask=(r[:, None] < nrows) & (c[None, :] < ncols))
+
+
+@triton.jit
+def _inv_unit_lower(A, BCC: tl.constexpr):
+    """(I + A)^{-1} for a strictly lower-triangular [BC, BC] A, by forward substitution over rows."""
+    r = tl.arange(0, BCC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, BCC):
+        a_i = tl.sum(tl.where(r[:, None] == i, A, 0.0), axis=0)        # row i of A
+        x_i = tl.sum(a_i[:, None] * X, axis=0)                          # sum_j A_ij X_j
+        X = tl.where(r[:, None] == i, X - x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _wy(
+    k, v, beta, G, At, Tinv, U, W, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
+    T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V, W = Tinv Diag(beta) (K e^G)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    A_ptr = At + (i_bh * NT * BTC + t0) * BTC
+    r16 = tl.arange(0, BCC)
+    b_ptr = beta + i_b * T * H + i_h + t0 * H
+    bt0 = tl.load(b_ptr + (0 * BCC + r16) * H, mask=0 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt1 = tl.load(b_ptr + (1 * BCC + r16) * H, mask=1 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt2 = tl.load(b_ptr + (2 * BCC + r16) * H, mask=2 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt3 = tl.load(b_ptr + (3 * BCC + r16) * H, mask=3 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    # A = Diag(beta) At, block rows
+    A10 = _blk(A_ptr, 1, 0, BTC, BCC) * bt1[:, None]
+    A20 = _blk(A_ptr, 2, 0, BTC, BCC) * bt2[:, None]
+    A21 = _blk(A_ptr, 2, 1, BTC, BCC) * bt2[:, None]
+    A30 = _blk(A_ptr, 3, 0, BTC, BCC) * bt3[:, None]
+    A31 = _blk(A_ptr, 3, 1, BTC, BCC) * bt3[:, None]
+    A32 = _blk(A_ptr, 3, 2, BTC, BCC) * bt3[:, None]
+    T00 = _inv_unit_lower(_blk(A_ptr, 0, 0, BTC, BCC) * bt0[:, None], BCC)
+    T11 = _inv_unit_lower(_blk(A_ptr, 1, 1, BTC, BCC) * bt1[:, None], BCC)
+    T22 = _inv_unit_lower(_blk(A_ptr, 2, 2, BTC, BCC) * bt2[:, None], BCC)
+    T33 = _inv_unit_lower(_blk(A_ptr, 3, 3, BTC, BCC) * bt3[:, None], BCC)
+    T10 = -_dot(T11, _dot(A10, T00, PREC), PREC)
+    T21 = -_dot(T22, _dot(A21, T11, PREC), PREC)
+    T20 = -_dot(T22, _dot(A20, T00, PREC) + _dot(A21, T10, PREC), PREC)
+    T32 = -_dot(T33, _dot(A32, T22, PREC), PREC)
+    T31 = -_dot(T33, _dot(A31, T11, PREC) + _dot(A32, T21, PREC), PREC)
+    T30 = -_dot(T33, _dot(A30, T00, PREC) + _dot(A31, T10, PREC) + _dot(A32, T20, PREC), PREC)
+    Ti_ptr = Tinv + (i_bh * NT * BTC + t0) * BTC          # zero-initialised: only blocks n >= m are written
+    _store_blk(Ti_ptr, 0, 0, T00, BTC, BCC)
+    _store_blk(Ti_ptr, 1, 0, T10, BTC, BCC)
+    _store_blk(Ti_ptr, 1, 1, T11, BTC, BCC)
+    _store_blk(Ti_ptr, 2, 0, T20, BTC, BCC)
+    _store_blk(Ti_ptr, 2, 1, T21, BTC, BCC)
+    _store_blk(Ti_ptr, 2, 2, T22, BTC, BCC)
+    _store_blk(Ti_ptr, 3, 0, T30, BTC, BCC)
+    _store_blk(Ti_ptr, 3, 1, T31, BTC, BCC)
+    _store_blk(Ti_ptr, 3, 2, T32, BTC, BCC)
+    _store_blk(Ti_ptr, 3, 3, T33, BTC, BCC)
+    # U, W by row blocks: X_n = sum_{m <= n} T_nm (beta X)_m
+    stride_k = H * K
+    stride_v = H * V
+    k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride_k
+    v_ptr = v + (i_b * T * H + i_h) * V + t0 * stride_v
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    bk0 = _load_tile(k_ptr, 0 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 0 * BCC, BTC, K, K, BCC, BK)) * bt0[:, None]
+    bk1 = _load_tile(k_ptr, 1 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 1 * BCC, BTC, K, K, BCC, BK)) * bt1[:, None]
+    bk2 = _load_tile(k_ptr, 2 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 2 * BCC, BTC, K, K, BCC, BK)) * bt2[:, None]
+    bk3 = _load_tile(k_ptr, 3 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 3 * BCC, BTC, K, K, BCC, BK)) * bt3[:, None]
+    ck = tl.arange(0, BK)
+    w_ptr = W + (i_b * T * H + i_h) * K + t0 * stride_k
+    w0 = _dot(T00, bk0, PREC)
+    w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
+    w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
+    w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
+    _store_rows(w_ptr, 0, T_local, stride_k, K, w0, BCC, BK)
+    _store_rows(w_ptr, 1, T_local, stride_k, K, w1, BCC, BK)
+    _store_rows(w_ptr, 2, T_local, stride_k, K, w2, BCC, BK)
+    _store_rows(w_ptr, 3, T_local, stride_k, K, w3, BCC, BK)
+    u_ptr = U + (i_b * T * H + i_h) * V + t0 * stride_v
+    cv = tl.arange(0, BV)
+    for iv in range(tl.cdiv(V, BV)):
+        vp = v_ptr + iv * BV
+        nv = V - iv * BV
+        bv0 = _load_tile(vp, 0 * BCC, T_local, stride_v, nv, BCC, BV) * bt0[:, None]
+        bv1 = _load_tile(vp, 1 * BCC, T_local, stride_v, nv, BCC, BV) * bt1[:, None]
+        bv2 = _load_tile(vp, 2 * BCC, T_local, stride_v, nv, BCC, BV) * bt2[:, None]
+        bv3 = _load_tile(vp, 3 * BCC, T_local, stride_v, nv, BCC, BV) * bt3[:, None]
+        u0 = _dot(T00, bv0, PREC)
+        u1 = _dot(T10, bv0, PREC) + _dot(T11, bv1, PREC)
+        u2 = _dot(T20, bv0, PREC) + _dot(T21, bv1, PREC) + _dot(T22, bv2, PREC)
+        u3 = _dot(T30, bv0, PREC) + _dot(T31, bv1, PREC) + _dot(T32, bv2, PREC) + _dot(T33, bv3, PREC)
+        _store_rows(u_ptr + iv * BV, 0, T_local, stride_v, nv, u0, BCC, BV)
+        _store_rows(u_ptr + iv * BV, 1, T_local, stride_v, nv, u1, BCC, BV)
+        _store_rows(u_ptr + iv * BV, 2, T_local, stride_v, nv, u2, BCC, BV)
+        _store_rows(u_ptr + iv * BV, 3, T_local, stride_v, nv, u3, BCC, BV)
+
+
+@triton.jit
+def _state(
+    k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Sequential pass over chunks for one (b, h, V-block): stores the state entering each chunk
+    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    hmask = (ck[:, None] < K) & (cv[None, :] < V)
+    hoff = ck[:, None] * V + cv[None, :]
+    if USE_H0:
+        h = tl.load(h0 + i_bh * K * V + hoff, mask=hmask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    stride_k = H * K
+    stride_v = H * V
+    for n in range(NT):
+        t0 = n * BTC
+        T_local = T - t0
+        tl.store(Hs + (i_bh * NT + n) * K * V + hoff, h, mask=hmask)
+        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
+        w = _load_tile(W + base_k, 0, T_local, stride_k, K, BTC, BK)
+        u = _load_tile(U + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
+        d = u - tl.dot(w, h, input_precision=PREC)
+        r = tl.arange(0, BTC)
+        tl.store(Dl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], d,
+                 mask=(r[:, None] < T_local) & (cv[None, :] < V))
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
+        h = h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), d, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
+
+
+@triton.jit
+def _output(
+    q, G, P, Hs, Dl, o, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
+):
+    """o = scale (q * e^G) S_n + P delta for one chunk and V-block."""
+    i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride_k = H * K
+    stride_v = H * V
+    qq = _load_tile(q + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
+    Gc = _load_tile(G + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    h = tl.load(Hs + (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :],
+                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+    r = tl.arange(0, BTC)
+    p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
+    base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
+    d = _load_tile(Dl + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
+    out = tl.dot(qq * tl.exp(Gc) * scale, h, input_precision=PREC) + tl.dot(p, d, input_precision=PREC)
+    tl.store(o + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], out.to(o.dtype.element_ty),
+             mask=(r[:, None] < T_local) & (cv[None, :] < V))
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def dot_precision(dtype) -> str:
+    """fp32 inputs get exact fp32 matmuls; bf16/fp16 inputs tf32 tensor-core matmuls."""
+    import torch
+
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
+            gate=0, A_log=None, dt_bias=None, g_min=-5.0):
+    """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
+    gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
+    Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
+    import torch
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, BT)
+    Tp = NT * BT
+    BK, BV = _pow2(K), min(64, _pow2(V))
+    prec = dot_precision(q.dtype)
+    dev = q.device
+    f32 = torch.float32
+    G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    dummy = G
+    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, T,
+                              H, K, BK, gate, float(g_min), BT)
+    At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec)
+    Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
+    U = torch.empty(B, T, H, V, device=dev, dtype=f32)
+    W = torch.empty(B, T, H, K, device=dev, dtype=f32)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec)
+    Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
+    ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _state[(triton.cdiv(V, BV), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
+                                        dummy if ht is None else ht, T, H, K, V, BK, BV, BT,
+                                        h0 is not None, ht is not None, prec)
+    o = torch.empty_like(v)
+    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec)
+    saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
+    return o, ht, saved
