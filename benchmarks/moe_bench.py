@@ -1,0 +1,132 @@
+"""MoE layer forward+backward: grouped-matmul dispatch vs a per-expert Python loop.
+
+    python benchmarks/moe_bench.py                      # CUDA, bf16, 64-256 experts, top-8
+    python benchmarks/moe_bench.py --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
+
+Both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent projections);
+only the expert matmuls differ: `grouped` = three torch._grouped_mm calls over all experts, `loop` =
+one matmul triple per expert with tokens (host sync for the segment sizes). Prints one table row per
+(shape, dispatch): milliseconds per forward+backward, tokens/s, and loop time / grouped time.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
+from k3lab.model.moe import MoE
+
+
+@dataclass
+class Shape:
+    moe: str
+    d_model: int
+    n_experts: int     # before latent scaling
+    top_k: int         # before latent scaling
+    hidden: int
+    latent_ratio: int
+    tokens: int
+
+
+GPU_SHAPES = [
+    Shape("standard", 1024, 64, 8, 512, 1, 16384),
+    Shape("standard", 2048, 128, 8, 768, 1, 16384),
+    Shape("latent_norm", 2048, 64, 2, 768, 4, 16384),     # 256 experts, top-8, width 512
+    Shape("latent_norm", 4096, 64, 2, 1024, 4, 8192),     # 256 experts, top-8, width 1024
+]
+SMALL_SHAPES = [
+    Shape("standard", 64, 16, 4, 32, 1, 512),
+    Shape("latent_norm", 64, 16, 2, 32, 4, 512),          # 64 experts, top-8, width 16
+]
+
+
+def build(shape: Shape, device: str, dtype: torch.dtype) -> MoE:
+    cfg = MoEConfig(name=shape.moe, n_experts=shape.n_experts, top_k=shape.top_k, n_shared=1,
+                    expert_hidden=shape.hidden, latent_ratio=shape.latent_ratio)
+    return MoE(shape.d_model, cfg, GLUConfig(name="situ"), BalanceConfig(name="qb")).to(device, dtype)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_fwd_bwd(moe: MoE, x: torch.Tensor, iters: int, warmup: int) -> float:
+    """Mean milliseconds of one forward + backward (parameter and input gradients)."""
+    def step():
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe(x).float().square().mean().backward()
+    for _ in range(warmup):
+        step()
+    sync(x.device.type)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync(x.device.type)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def grouped_available(device: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype)
+        torch._grouped_mm(a, torch.ones(2, 16, 16, device=device, dtype=dtype),
+                          offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    shapes = SMALL_SHAPES if args.small else GPU_SHAPES
+    iters = args.iters or (2 if args.small else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
+    has_grouped = grouped_available(args.device, dtype)
+    torch.manual_seed(0)
+
+    print(f"device={args.device} dtype={str(dtype).removeprefix('torch.')} torch={torch.__version__} "
+          f"grouped_mm={'yes' if has_grouped else 'no'} iters={iters}")
+    header = f"{'moe':<12}{'D':>6}{'experts':>9}{'top_k':>7}{'width':>7}{'hidden':>8}{'tokens':>8}  {'dispatch':<9}{'ms':>10}{'tokens/s':>13}{'loop/grouped':>14}{'max|dy|':>10}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for shape in shapes:
+        moe = build(shape, args.device, dtype)
+        x = torch.randn(1, shape.tokens, shape.d_model, device=args.device, dtype=dtype, requires_grad=True)
+        times, outs = {}, {}
+        for dispatch in (["grouped"] if has_grouped else []) + ["loop"]:
+            moe.dispatch = dispatch
+            with torch.no_grad():
+                outs[dispatch] = moe(x).float()
+            times[dispatch] = time_fwd_bwd(moe, x, iters, warmup)
+        diff = float((outs["grouped"] - outs["loop"]).abs().max()) if has_grouped else float("nan")
+        for dispatch, ms in times.items():
+            ratio = times["loop"] / times["grouped"] if has_grouped else float("nan")
+            row = dict(moe=shape.moe, d_model=shape.d_model, experts=moe.n_experts, top_k=moe.top_k,
+                       width=moe.width, hidden=moe.hidden, tokens=shape.tokens, dispatch=dispatch, ms=ms,
+                       tokens_per_s=shape.tokens / ms * 1e3, ratio=ratio, max_abs_diff=diff)
+            rows.append(row)
+            print(f"{row['moe']:<12}{row['d_model']:>6}{row['experts']:>9}{row['top_k']:>7}{row['width']:>7}"
+                  f"{row['hidden']:>8}{row['tokens']:>8}  {dispatch:<9}{ms:>10.2f}{row['tokens_per_s']:>13,.0f}"
+                  f"{(ratio if dispatch == 'grouped' else 1.0):>14.2f}{diff:>10.2e}")
+        del moe, x
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The `moe` and `balance` config groups match their dataclasses, and the MoE benchmark script runs."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from k3lab.config import BALANCES, MOES, BalanceConfig, GLUConfig, MoEConfig
+from k3lab.model.moe import MoE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("group,schema,options", [("moe", MoEConfig, MOES), ("balance", BalanceConfig, BALANCES)])
+def test_config_group_files_match_the_schema(group, schema, options):
+    files = sorted((ROOT / "conf" / group).glob("*.yaml"))
+    assert {f.stem for f in files} == set(options)
+    for f in files:
+        raw = OmegaConf.load(f)
+        assert raw.name == f.stem
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), raw))  # unknown keys raise
+        assert isinstance(cfg, schema)
+
+
+@pytest.mark.parametrize("option,experts,top_k,width", [("latent_norm", 32, 8, 32), ("latent", 32, 8, 32),
+                                                         ("standard", 8, 2, 128)])
+def test_moe_options_on_the_tiny_model(option, experts, top_k, width):
+    raw = OmegaConf.load(ROOT / "conf" / "moe" / f"{option}.yaml")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MoEConfig), raw))
+    moe = MoE(128, cfg, GLUConfig(), BalanceConfig())
+    assert (moe.n_experts, moe.top_k, moe.width, moe.hidden) == (experts, top_k, width, 176)
+    assert (moe.norm is not None) == (option == "latent_norm")
+
+
+def test_benchmark_runs_on_cpu():
+    spec = importlib.util.spec_from_file_location("moe_bench", ROOT / "benchmarks" / "moe_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["moe_bench"] = bench   # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--device", "cpu", "--small", "--iters", "1", "--warmup", "0"])
+    assert {r["dispatch"] for r in rows} >= {"loop"}
+    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert any(r["experts"] >= 64 and r["top_k"] == 8 for r in rows)
+    for r in rows:
+        assert math.isnan(r["max_abs_diff"]) or r["max_abs_diff"] < 1e-5
