@@ -31,7 +31,7 @@ def triton_available() -> bool:
     return True
 
 
-def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state):
+def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate):
     try:
         from fla.ops.kda import chunk_kda
     except ImportError as e:
@@ -41,7 +41,7 @@ def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state):
         ) from e
     return chunk_kda(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state,
+        initial_state=initial_state, output_final_state=output_final_state, safe_gate=safe_gate,
     )
 
 
@@ -55,6 +55,7 @@ def kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     backend: str = "auto",
+    safe_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA.
 
@@ -62,7 +63,8 @@ def kda(
     beta: [B, T, H] in (0, 1), initial_state: [B, H, K, V] or None; scale defaults to K**-0.5.
     Returns o [B, T, H, V] (dtype of v) and the final state [B, H, K, V] in float32 (None unless
     ``output_final_state``). backend: "auto" (Triton on CUDA tensors when available, else torch),
-    "torch", "triton" or "fla".
+    "torch", "triton" or "fla". ``safe_gate=True`` promises g >= -5 (the sigmoid map with g_min = -5):
+    the triton and fla kernels then run their diagonal sub-blocks as tensor-core matmuls.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -73,9 +75,9 @@ def kda(
     if backend == "torch":
         return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
     if backend == "fla":
-        return _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state)
+        return _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate)
     try:
         from .triton import kda_triton
     except ImportError as e:
         raise ImportError(f"kda backend 'triton' is unavailable: {e}") from e
-    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state)
+    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate)

@@ -7,8 +7,9 @@ Entry points:
   sub-blocks; with ``safe_gate=False`` any g <= 0 is handled without overflow.
 - ``kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0, ...)``: the
   fused-gate entry. It computes, on the way in, the decay map (sigmoid: g = g_min sigmoid(exp(A_h) z);
-  softplus: g = -exp(A_h) softplus(z + dt_bias)) inside the first kernel, the L2 norm of q and k
-  (``use_qk_l2norm=True``) and beta = sigmoid(beta_logits). ``kda_gated_reference`` is the same
+  softplus: g = -exp(A_h) softplus(z + dt_bias)) inside the first kernel (its backward is elementwise
+  torch), and, in float32 torch ops before the kernels, the L2 norm of q and k (``use_qk_l2norm=True``)
+  and beta = sigmoid(beta_logits). ``kda_gated_reference`` is the same
   computation in plain PyTorch (any backend), used by the tests.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .triton_bwd import kda_bwd
-from .triton_fwd import kda_fwd
+from .triton_fwd import dot_precision, kda_fwd
 
 GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
 
@@ -30,8 +31,10 @@ class KDATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                 safe_gate, gate, g_min):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        # matmul precision follows v: exact fp32 for fp32 values, tf32 tensor cores for bf16/fp16
+        ctx.prec = dot_precision(v.dtype)
         o, ht, saved = kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-                               gate=GATES[gate], A_log=A_log, dt_bias=dt_bias, g_min=g_min)
+                               gate=GATES[gate], A_log=A_log, dt_bias=dt_bias, g_min=g_min, prec=ctx.prec)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *saved.values())
         ctx.saved_names = list(saved)
         ctx.scale, ctx.safe_gate, ctx.gate, ctx.g_min = scale, safe_gate, gate, g_min
@@ -41,7 +44,7 @@ class KDATritonFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, *rest = ctx.saved_tensors
         saved = dict(zip(ctx.saved_names, rest))
-        dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q, k, v, beta, ctx.scale, h0, saved, do, dht, ctx.safe_gate)
+        dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q, k, v, beta, ctx.scale, h0, saved, do, dht, ctx.safe_gate, ctx.prec)
         dA_log = ddt = None
         if ctx.gate != "none":
             # chain rule through the decay map (elementwise; g held the raw input z)
@@ -84,9 +87,11 @@ def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_m
         raise ValueError(f"decay must be 'sigmoid' or 'softplus', got {decay!r}")
     if decay == "softplus" and dt_bias is None:
         raise ValueError("decay='softplus' needs dt_bias [H * K]")
+    # norms and sigmoid in float32 (the kernels read fp32 q, k, beta; v keeps its dtype)
+    q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    beta = torch.sigmoid(beta_logits)
+    beta = torch.sigmoid(beta_logits.float())
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float()

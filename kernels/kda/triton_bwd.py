@@ -266,7 +266,7 @@ def _bwd_local_k(
         tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
 
 
-def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate):
+def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None):
     """Launch the backward kernels. Returns dq, dk, dv, dg (of the log-decay g), dbeta and the
     initial-state gradient (None without an initial state)."""
     import torch
@@ -276,7 +276,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate):
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
-    prec = dot_precision(q.dtype)
+    prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
     G, At, P, Tinv, W, Hs, Dl = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Hs", "Dl"))
@@ -285,9 +285,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate):
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
-    _bwd_state[(triton.cdiv(V, BV), B * H)](
+    BVS = min(32, BV)
+    _bwd_state[(triton.cdiv(V, BVS), B * H)](
         q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BV, BT, dht is not None, dh0 is not None, prec)
+        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
@@ -298,10 +299,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate):
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
     _bwd_local_v[(NT, B * H)](
         q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BV, BT, prec)
+        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
     _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, T, H, K, BK, BT, BC,
-                              bool(safe_gate), prec)
+                              bool(safe_gate), prec, num_warps=8)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0

@@ -354,9 +354,10 @@ def dot_precision(dtype) -> str:
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-            gate=0, A_log=None, dt_bias=None, g_min=-5.0):
+            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None):
     """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
     gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
+    prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
     Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
     import torch
 
@@ -365,28 +366,30 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
-    prec = dot_precision(q.dtype)
+    prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     dummy = G
     _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, T,
-                              H, K, BK, gate, float(g_min), BT)
+                              H, K, BK, gate, float(g_min), BT, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec)
+    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, num_warps=4)
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _state[(triton.cdiv(V, BV), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
-                                        dummy if ht is None else ht, T, H, K, V, BK, BV, BT,
-                                        h0 is not None, ht is not None, prec)
+    BVS = min(32, BV)  # narrower V-blocks for the sequential pass: more programs in flight
+    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
+                                         dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
+                                         h0 is not None, ht is not None, prec, num_warps=4)
     o = torch.empty_like(v)
-    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec)
+    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
+                                             num_warps=4)
     saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved

@@ -1,0 +1,222 @@
+"""Kernel benchmarks: ``python -m kernels.bench kda [--check] [--out benchmarks/RESULTS_kda.md]``.
+
+For each shape and decay map (sigmoid, softplus) it times, in bf16 with the gate, the q/k L2 norm and
+the beta sigmoid folded into the call: our Triton KDA (``kernels.kda.triton.kda_gated``), fla's
+``chunk_kda`` (fla-core, when installed, with ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``,
+``use_beta_sigmoid_in_kernel`` and, for sigmoid, ``safe_gate`` with ``lower_bound=-5``), the plain
+PyTorch chunkwise path and causal SDPA (flash attention) at the same shape. Forward and forward+backward
+are timed with CUDA events: warm-up, then the median of ``--reps`` runs, cycling over several sets of
+fresh random (never zero) inputs. ``--check`` first measures bf16 relative errors of our kernel against
+the float64 recurrent reference (outputs and every gradient). The markdown table goes to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4, 4096, 16, 128, 128), (1, 16384, 16, 128, 128)]
+
+
+def make_inputs(B, T, H, K, V, decay, device, dtype=torch.bfloat16, seed=0):
+    """Raw layer-side inputs: q, k (un-normalised), v, gate pre-activation z, beta logits, A_log, dt_bias."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+
+    q, k, v, z = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V), randn(B, T, H, K)
+    beta_logits = randn(B, T, H)
+    if decay == "sigmoid":
+        A_log = 0.5 * randn(H)
+        dt_bias = None
+    else:
+        A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, device=device))
+        dt = torch.exp(torch.rand(H * K, generator=gen, device=device) * (math.log(1e-1) - math.log(1e-3))
+                       + math.log(1e-3))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))             # inverse softplus
+    xs = [t.to(dtype).requires_grad_() for t in (q, k, v, z, beta_logits)]
+    return xs + [A_log.requires_grad_(), None if dt_bias is None else dt_bias.requires_grad_()]
+
+
+def run_ours(q, k, v, z, bl, A_log, dt_bias, decay):
+    from kernels.kda.triton import kda_gated
+
+    return kda_gated(q, k, v, z, bl, A_log, dt_bias, decay=decay)[0]
+
+
+def run_torch(q, k, v, z, bl, A_log, dt_bias, decay):
+    from kernels.kda.triton import kda_gated_reference
+
+    return kda_gated_reference(q, k, v, z, bl, A_log, dt_bias, decay=decay, backend="torch")[0]
+
+
+def run_fla(q, k, v, z, bl, A_log, dt_bias, decay):
+    from fla.ops.kda import chunk_kda
+
+    extra = dict(safe_gate=True, lower_bound=-5.0) if decay == "sigmoid" else {}
+    return chunk_kda(q, k, v, z, bl, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **extra)[0]
+
+
+def run_sdpa(q, k, v, *_):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=True)
+
+
+def time_ms(fn, input_sets, backward, reps, warmup=3):
+    """Median milliseconds of fn (and a backward with a fixed random cotangent) over reps runs."""
+    outs = [fn(*xs) for xs in input_sets[:1]]
+    do = torch.randn_like(outs[0])
+    times = []
+    for i in range(warmup + reps):
+        xs = input_sets[i % len(input_sets)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        o = fn(*xs)
+        if backward:
+            o.backward(do)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+        for x in xs:
+            if isinstance(x, torch.Tensor):
+                x.grad = None
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_accuracy(device, B=2, T=1000, H=4, K=128, V=128):
+    """bf16 relative errors of kda_gated against the float64 recurrent reference, both maps."""
+    from kernels.kda import kda_recurrent
+    from kernels.kda.triton import kda_gated
+
+    rows = []
+    for decay in ("sigmoid", "softplus"):
+        xs = make_inputs(B, T, H, K, V, decay, device, seed=11)
+        h0 = torch.randn(B, H, K, V, device=device, requires_grad=True)
+        o, ht = kda_gated(*xs, decay=decay, initial_state=h0, output_final_state=True)
+        do, dht = torch.randn_like(o), torch.randn_like(ht)
+        leaves = [x for x in xs if x is not None] + [h0]
+        got = [o, ht] + list(torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
+        ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+        q, k, v, z, bl, A_log = ref_leaves[:6]
+        a = A_log.exp().view(1, 1, H, 1)
+        if decay == "sigmoid":
+            g = -5.0 * torch.sigmoid(a * z)
+        else:
+            g = -a * F.softplus(z + ref_leaves[6].view(1, 1, H, K))
+        ro, rht = kda_recurrent(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, torch.sigmoid(bl),
+                                initial_state=ref_leaves[-1], output_final_state=True)
+        ref = [ro, rht] + list(torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(),
+                                                   ref_leaves))
+        names = ["o", "final_state", "dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"]
+        names += ["ddt_bias"] if decay == "softplus" else []
+        names += ["dh0"]
+        limits = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3}
+        for n, x, y in zip(names, got, ref):
+            err = rel_err(x, y)
+            lim = limits.get(n, 2e-2)
+            rows.append((decay, n, err, lim, err < lim))
+    return rows
+
+
+def bench_kda(args):
+    device = "cuda"
+    have_fla = True
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        have_fla = False
+    lines = []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    import triton
+
+    env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+           + (f", fla-core {__import__('fla').__version__}" if have_fla else ", fla-core not installed"))
+    lines += [f"# KDA kernel benchmark", "", f"Measured {stamp} on {env}.", "",
+              f"Command: `{' '.join(['python -m kernels.bench'] + sys.argv[1:])}`", ""]
+    shown = 0
+
+    def flush():
+        nonlocal shown
+        print("\n".join(lines[shown:]), flush=True)
+        shown = len(lines)
+
+    flush()
+    if args.check:
+        rows = check_accuracy(device)
+        lines += ["## Accuracy: bf16 kernel vs float64 recurrent reference (B=2, T=1000, H=4, K=V=128)", "",
+                  "| decay | tensor | relative error | limit | ok |", "|---|---|---|---|---|"]
+        lines += [f"| {d} | {n} | {e:.2e} | {lim:.0e} | {'yes' if ok else 'NO'} |" for d, n, e, lim, ok in rows]
+        lines.append("")
+        flush()
+    lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
+              "| shape B,T,H,K,V | decay | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | ours/fla fwd | ours/fla fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|"]
+    impls = [("ours (triton)", run_ours)] + ([("fla chunk_kda", run_fla)] if have_fla else [])
+    impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
+    for shape in args.shapes:
+        B, T, H, K, V = shape
+        for decay in ("sigmoid", "softplus"):
+            sets = [make_inputs(B, T, H, K, V, decay, device, seed=s) for s in range(3)]
+            res = {}
+            for name, fn in impls:
+                if name == "causal SDPA" and decay == "softplus":
+                    continue
+                if name == "torch chunkwise" and not args.torch_path:
+                    continue
+                def call(*xs, fn=fn):
+                    return fn(*xs, decay)
+                try:
+                    f = time_ms(call, sets, False, args.reps)
+                    fb = time_ms(call, sets, True, args.reps)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    f = fb = float("nan")
+                res[name] = (f, fb)
+            ours, ref = res["ours (triton)"], res.get("fla chunk_kda")
+            for name, (f, fb) in res.items():
+                ratio = (f"{ours[0] / ref[0]:.2f}", f"{ours[1] / ref[1]:.2f}") if (ref and name == "ours (triton)") else ("", "")
+                lines.append(f"| {B},{T},{H},{K},{V} | {decay if name != 'causal SDPA' else '-'} | {name} | "
+                             f"{f:.2f} | {fb:.2f} | {B * T / fb / 1e3:.1f} | {ratio[0]} | {ratio[1]} |")
+            flush()
+            torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m kernels.bench")
+    p.add_argument("kernel", choices=["kda"])
+    p.add_argument("--check", action="store_true", help="bf16 accuracy against the float64 reference first")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
+    p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
+                   help="skip timing the plain PyTorch chunkwise path")
+    p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
+                   help="B,T,H,K,V (repeatable); default: the two issue shapes")
+    args = p.parse_args(argv)
+    args.shapes = args.shapes or SHAPES
+    if not torch.cuda.is_available():
+        raise SystemExit("the kda benchmark needs a CUDA device")
+    print(f"python {platform.python_version()}", file=sys.stderr)
+    bench_kda(args)
+
+
+if __name__ == "__main__":
+    main()

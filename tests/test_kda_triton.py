@@ -1,0 +1,112 @@
+"""Triton KDA kernels (kernels/kda/triton*.py) on the CPU under TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when it is first imported, and the rest of the suite may already have
+imported it without the variable, so the checks run in one fresh subprocess (this file run as a
+script) and the tests assert on the relative errors it reports. Reference: the float64 token-by-token
+recurrence (arXiv:2510.26692 eq. 1); limit 1e-4 in fp32 (issue 5).
+"""
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 1e-4
+
+# name: (B, T, H, K, V, gate, safe_gate). T = 70 spans a full and a ragged chunk; T = 5 < 16.
+CASES = {
+    "sigmoid_safe_T70": (1, 70, 1, 32, 16, "moderate", True),
+    "softplus_saturated_T40": (1, 40, 1, 16, 32, "softplus_sat", False),
+    "sigmoid_saturated_T70_unsafe_path": (1, 70, 1, 16, 16, "sigmoid_sat", False),
+    "short_T5": (1, 5, 2, 16, 16, "moderate", False),
+}
+GATED = {"gated_sigmoid": "sigmoid", "gated_softplus": "softplus"}
+
+
+def _run_checks() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_kda_torch import NAMES, make_inputs, outputs_and_grads, rel
+
+    from kernels.kda import kda_recurrent
+    from kernels.kda.triton import kda_gated, kda_gated_reference, kda_triton
+
+    out = {}
+    for name, (B, T, H, K, V, gate, safe) in CASES.items():
+        inputs = make_inputs(B, T, H, K, V, gate, seed=7)
+        ref = outputs_and_grads(kda_recurrent, inputs)
+        got = outputs_and_grads(partial(kda_triton, safe_gate=safe), [x.float() for x in inputs])
+        out[name] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
+
+    # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    for name, decay in GATED.items():
+        raw = [torch.randn(*s, generator=gen, dtype=torch.float64)
+               for s in [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]]
+        raw[3] = raw[3] * 4  # wide range of gate pre-activations
+        A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64))
+        dt_bias = torch.rand(H * K, generator=gen, dtype=torch.float64) - 3 if decay == "softplus" else None
+        h0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+        leaves = raw + [A_log] + ([dt_bias] if dt_bias is not None else []) + [h0]
+        names = ["dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"] + (["ddt_bias"] if dt_bias is not None else []) + ["dh0"]
+
+        def run(fn, dtype):
+            xs = [x.detach().to(dtype).requires_grad_() for x in leaves]
+            q, k, v, z, bl, A = xs[:6]
+            dt = xs[6] if dt_bias is not None else None
+            o, ht = fn(q, k, v, z, bl, A, dt, decay=decay, initial_state=xs[-1], output_final_state=True)
+            g2 = torch.Generator().manual_seed(5)
+            do = torch.randn(o.shape, generator=g2, dtype=torch.float64).to(o.dtype)
+            dht = torch.randn(ht.shape, generator=g2, dtype=torch.float64).to(ht.dtype)
+            grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
+            return [o, ht] + list(grads)
+
+        got = run(kda_gated, torch.float32)
+        ref = run(partial(kda_gated_reference, backend="torch"), torch.float64)
+        out[name] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, got, ref)}
+
+    # causality: inputs at t >= P changed, outputs before P must not move
+    q, k, v, g, beta, h0 = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=8)]
+    o1, _ = kda_triton(q, k, v, g, beta, initial_state=h0)
+    P = 37
+    q2, k2, v2, g2, beta2, _ = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=9)]
+    mixed = [torch.cat([a[:, :P], b[:, P:]], 1) for a, b in zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
+    o2, _ = kda_triton(*mixed, initial_state=h0)
+    out["causality"] = {"before_P_max_abs_change": (o1[:, :P] - o2[:, :P]).abs().max().item(),
+                        "after_P_max_abs_change": (o1[:, P:] - o2[:, P:]).abs().max().item()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(GATED))
+def test_matches_float64_reference(results, case):
+    """Outputs, final state and every gradient within 1e-4 (relative) of the float64 reference."""
+    errs = results[case]
+    assert len(errs) >= 8
+    bad = {n: e for n, e in errs.items() if not e < LIMIT}
+    assert not bad, bad
+
+
+def test_causality(results):
+    c = results["causality"]
+    assert c["before_P_max_abs_change"] == 0.0
+    assert c["after_P_max_abs_change"] > 1e-3
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks()))
