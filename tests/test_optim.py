@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import OptimConfig
-from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, newton_schulz, orthogonal_update,
-                         param_groups, split_params)
+from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, lr_lambda, newton_schulz,
+                         orthogonal_update, param_groups, split_params)
 
 RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
 
@@ -259,6 +259,12 @@ def test_lr_schedule_warmup_peak_cosine_end():
         assert lr[60] == pytest.approx(peak * 0.55)  # cosine half-way: (1 + 0.1) / 2
         assert lr[110] == pytest.approx(peak * 0.1) and lr[114] == pytest.approx(peak * 0.1)
         assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+
+
+def test_short_run_shortens_warmup():
+    f = lr_lambda(warmup_steps=50, total_steps=10, min_lr_ratio=0.1)  # a debug run
+    assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0) and f(10) == pytest.approx(0.1)
+    assert lr_lambda(0, 1, 0.1)(0) == pytest.approx(1.0)
 
 
 def test_lightning_config_shape():

@@ -88,9 +88,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
     """Multiplier of the peak LR for optimizer step s (0-based): linear warmup (s+1)/warmup reaching 1
-    at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after."""
-    if total_steps <= warmup_steps:
-        raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}")
+    at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after.
+    Runs too short for the warmup (debug runs) warm up over half of their steps instead."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be positive")
+    warmup_steps = min(warmup_steps, total_steps // 2)
 
     def factor(step: int) -> float:
         if step < warmup_steps:
