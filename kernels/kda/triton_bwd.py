@@ -154,59 +154,72 @@ def _bwd_local_v(
 
 @triton.jit
 def _rows_da(
-    Mn, b, Gall, G_n, n, b_ptr, b_stride, G_ptr, T_local, K,
+    M1, M2, b, Gall, G_n, n, b_ptr, b_stride, G_ptr, T_local, K,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n. Mn: [BC, BT] those rows of a
-    lower-triangular M; b, Gall: [BT, BK]. Returns [BC, BK]."""
+    """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n, for two lower-triangular
+    weight matrices sharing b. M1, M2: [BC, BT] those rows; b, Gall: [BT, BK]. Returns two [BC, BK]."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
         g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
-        out = tl.exp(G_n - g_mid[None, :]) * tl.dot(Mn, b * tl.exp(e_col), input_precision=PREC)
+        bf = b * tl.exp(e_col)
+        rf = tl.exp(G_n - g_mid[None, :])
+        out1 = rf * tl.dot(M1, bf, input_precision=PREC)
+        out2 = rf * tl.dot(M2, bf, input_precision=PREC)
     else:
         g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
-        Moff = tl.where(cols[None, :] < n * BCC, Mn, 0.0)
-        out = tl.exp(G_n - g_first[None, :]) * tl.dot(Moff, b * tl.exp(tl.minimum(e_col, 0.0)),
-                                                      input_precision=PREC)
+        earlier = cols[None, :] < n * BCC
+        bf = b * tl.exp(tl.minimum(e_col, 0.0))
+        rf = tl.exp(G_n - g_first[None, :])
+        out1 = rf * tl.dot(tl.where(earlier, M1, 0.0), bf, input_precision=PREC)
+        out2 = rf * tl.dot(tl.where(earlier, M2, 0.0), bf, input_precision=PREC)
         for j in range(BCC):
             t = n * BCC + j
-            m_col = tl.sum(tl.where(cols[None, :] == t, Mn, 0.0), axis=1)
+            sel = cols[None, :] == t
             b_j = _load_row(b_ptr, t, T_local, b_stride, K, BK)
             G_j = _load_row(G_ptr, t, BTC, K, K, BK)
-            out += m_col[:, None] * b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
-    return out
+            bd = b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
+            out1 += tl.sum(tl.where(sel, M1, 0.0), axis=1)[:, None] * bd
+            out2 += tl.sum(tl.where(sel, M2, 0.0), axis=1)[:, None] * bd
+    return out1, out2
 
 
 @triton.jit
 def _cols_db(
-    Mt, a, Gall, G_m, m, a_ptr, a_stride, G_ptr, T_local, K,
+    M1t, a1, M2t, a2, Gall, G_m, m, a1_ptr, a2_ptr, a_stride, G_ptr, T_local, K,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m. Mt: [BC, BT] with
-    Mt[j, i] = M[i, m*BC + j] (M lower-triangular); a, Gall: [BT, BK]. Returns [BC, BK]."""
+    """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m, for two pairs (M1, a1),
+    (M2, a2). Mt: [BC, BT] with Mt[j, i] = M[i, m*BC + j] (M lower-triangular); a, Gall: [BT, BK].
+    Returns two [BC, BK]."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
         g_mid = tl.load(G_ptr + (m * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
-        e_row = tl.where(cols[:, None] >= m * BCC, Gall - g_mid[None, :], 0.0)
-        out = tl.exp(g_mid[None, :] - G_m) * tl.dot(Mt, a * tl.exp(e_row), input_precision=PREC)
+        e_row = tl.exp(tl.where(cols[:, None] >= m * BCC, Gall - g_mid[None, :], 0.0))
+        cf = tl.exp(g_mid[None, :] - G_m)
+        out1 = cf * tl.dot(M1t, a1 * e_row, input_precision=PREC)
+        out2 = cf * tl.dot(M2t, a2 * e_row, input_precision=PREC)
     else:
         g_end = tl.load(G_ptr + (m * BCC + BCC - 1) * K + ck, mask=ck < K, other=0.0)
         later = cols >= (m + 1) * BCC
-        e_row = tl.where(later[:, None], Gall - g_end[None, :], 0.0)
-        Moff = tl.where(later[None, :], Mt, 0.0)
-        out = tl.exp(g_end[None, :] - G_m) * tl.dot(Moff, a * tl.exp(tl.minimum(e_row, 0.0)),
-                                                    input_precision=PREC)
+        e_row = tl.exp(tl.minimum(tl.where(later[:, None], Gall - g_end[None, :], 0.0), 0.0))
+        cf = tl.exp(g_end[None, :] - G_m)
+        out1 = cf * tl.dot(tl.where(later[None, :], M1t, 0.0), a1 * e_row, input_precision=PREC)
+        out2 = cf * tl.dot(tl.where(later[None, :], M2t, 0.0), a2 * e_row, input_precision=PREC)
         for i in range(BCC):
             t = m * BCC + i
-            m_row = tl.sum(tl.where(cols[None, :] == t, Mt, 0.0), axis=1)
-            a_t = _load_row(a_ptr, t, T_local, a_stride, K, BK)
+            sel = cols[None, :] == t
             G_t = _load_row(G_ptr, t, BTC, K, K, BK)
-            out += m_row[:, None] * a_t[None, :] * tl.exp(tl.minimum(G_t[None, :] - G_m, 0.0))
-    return out
+            dec = tl.exp(tl.minimum(G_t[None, :] - G_m, 0.0))
+            a1_t = _load_row(a1_ptr, t, T_local, a_stride, K, BK)
+            a2_t = _load_row(a2_ptr, t, T_local, a_stride, K, BK)
+            out1 += tl.sum(tl.where(sel, M1t, 0.0), axis=1)[:, None] * (a1_t[None, :] * dec)
+            out2 += tl.sum(tl.where(sel, M2t, 0.0), axis=1)[:, None] * (a2_t[None, :] * dec)
+    return out1, out2
 
 
 @triton.jit
@@ -247,10 +260,10 @@ def _bwd_local_k(
         dA_r = tl.load(dAs + row_off)
         dP_c = tl.load(dPs + col_off)
         dA_c = tl.load(dAs + col_off)
-        x1 = _rows_da(dP_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
-        x2 = _cols_db(dP_c, qq, Gall, G_n, n, q_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
-        x3 = _rows_da(dA_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
-        x4 = _cols_db(dA_c, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K, BTC, BCC, BK, SAFE, PREC)
+        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K,
+                          BTC, BCC, BK, SAFE, PREC)
+        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, q_ptr, k_ptr, stride_k, G_ptr, T_local, K,
+                          BTC, BCC, BK, SAFE, PREC)
         poff = pbase + rows[:, None] * K + ck[None, :]
         pmask = ck[None, :] < K
         dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1

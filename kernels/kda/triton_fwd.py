@@ -79,38 +79,44 @@ def _gate_cumsum(
 
 @triton.jit
 def _decayed_rows(
-    a_n, G_n, b, Gall, n, b_ptr, b_stride, G_ptr, T_local, K,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr,
-    STRICT: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    k_n, q_n, G_n, kk, Gall, n, k_ptr, k_stride, G_ptr, T_local, K,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Rows n*BC .. n*BC+BC of M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (j < i, or j <= i unless STRICT).
-
-    a_n, G_n: [BC, BK] those rows of a and G; b, Gall: [BT, BK] the whole chunk; b_ptr / G_ptr point at
-    row 0 of the chunk (rows t of b beyond T_local read as zero). Returns float32 [BC, BT]."""
+    """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
+    M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
+    whole chunk; k_ptr / G_ptr point at row 0 of the chunk (rows of k beyond T_local read as zero).
+    The key-side factors are shared by both products. Returns two float32 [BC, BT]."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
         g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
-        M = tl.dot(a_n * tl.exp(G_n - g_mid[None, :]), tl.trans(b * tl.exp(e_col)), input_precision=PREC)
+        kf = tl.trans(kk * tl.exp(e_col))
+        rf = tl.exp(G_n - g_mid[None, :])
+        A = tl.dot(k_n * rf, kf, input_precision=PREC)
+        P = tl.dot(q_n * rf, kf, input_precision=PREC)
     else:
         g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
-        M = tl.dot(a_n * tl.exp(G_n - g_first[None, :]), tl.trans(b * tl.exp(tl.minimum(e_col, 0.0))),
-                   input_precision=PREC)
-        M = tl.where(cols[None, :] < n * BCC, M, 0.0)
+        kf = tl.trans(kk * tl.exp(tl.minimum(e_col, 0.0)))
+        rf = tl.exp(G_n - g_first[None, :])
+        A = tl.dot(k_n * rf, kf, input_precision=PREC)
+        P = tl.dot(q_n * rf, kf, input_precision=PREC)
+        earlier = cols[None, :] < n * BCC
+        A = tl.where(earlier, A, 0.0)
+        P = tl.where(earlier, P, 0.0)
         for j in range(BCC):
             t = n * BCC + j
-            b_j = _load_row(b_ptr, t, T_local, b_stride, K, BK)
+            k_j = _load_row(k_ptr, t, T_local, k_stride, K, BK)
             G_j = _load_row(G_ptr, t, BTC, K, K, BK)
-            col = tl.sum(a_n * b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0)), axis=1)
-            M = tl.where(cols[None, :] == t, col[:, None], M)
-    if STRICT:
-        M = tl.where(rows[:, None] > cols[None, :], M, 0.0)
-    else:
-        M = tl.where(rows[:, None] >= cols[None, :], M, 0.0)
-    return M
+            kd = k_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
+            sel = cols[None, :] == t
+            A = tl.where(sel, tl.sum(k_n * kd, axis=1)[:, None], A)
+            P = tl.where(sel, tl.sum(q_n * kd, axis=1)[:, None], P)
+    A = tl.where(rows[:, None] > cols[None, :], A, 0.0)
+    P = tl.where(rows[:, None] >= cols[None, :], P, 0.0)
+    return A, P
 
 
 @triton.jit
@@ -137,10 +143,8 @@ def _intra(
         G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
         q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-        a = _decayed_rows(k_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
-                          BTC, BCC, BK, True, SAFE, PREC)
-        p = _decayed_rows(q_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
-                          BTC, BCC, BK, False, SAFE, PREC)
+        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
+                             BTC, BCC, BK, SAFE, PREC)
         offs = out_base + rows[:, None] * BTC + cols[None, :]
         tl.store(At + offs, a)
         tl.store(P + offs, p * scale)
