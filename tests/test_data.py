@@ -287,11 +287,11 @@ def test_unknown_dataset_names_options():
 
 @pytest.mark.slow
 def test_full_sotu_prepare_and_cache(tmp_path):
-    cfg = DataConfig(name="sotu", cache_dir=str(tmp_path), vocab_size=2048)
+    cfg = DataConfig(name="sotu", cache_dir=str(tmp_path), vocab_size=1024)
     dm = K3DataModule(cfg)
     dm.prepare_data()
     dm.setup()
-    assert dm.vocab_size == 2048 and not dm.info["cache_hit"]
+    assert dm.vocab_size == 1024 and not dm.info["cache_hit"]
     t0 = time.perf_counter()
     warm = K3DataModule(cfg)
     warm.setup()

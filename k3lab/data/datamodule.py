@@ -263,6 +263,11 @@ class K3DataModule(L.LightningDataModule):
         return DataLoader(FixedBatches(self.val_x, self.val_y, self.cfg.batch_size), batch_size=None,
                           shuffle=False, num_workers=self.cfg.num_workers)
 
+    @property
+    def n_val_batches(self) -> int:
+        """Number of validation batches (the whole fixed validation set)."""
+        return math.ceil(len(self.val_x) / self.cfg.batch_size)
+
     # -- resumable sampling ----------------------------------------------------------------
 
     def set_start_step(self, step: int) -> None:
