@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from k3lab.config import DataConfig
 from k3lab.data import corpus, mqar, tokenizer
-from k3lab.data.datamodule import K3DataModule, unigram_cross_entropy
+from k3lab.data.datamodule import K3DataModule, prepare_lm, unigram_cross_entropy
 
 WORDS = ("the union congress people nation war peace law trade money tax year government states "
          "america freedom labor farm school health energy budget").split()
@@ -135,6 +136,26 @@ def test_cache_hit_on_second_setup(tmp_path):
     third = K3DataModule(text_cfg(tmp_path, vocab_size=280), seed=0)
     third.setup()
     assert tokenizer.train_calls == calls + 2 and len(list((tmp_path / "cache" / "lm").iterdir())) == 2
+
+
+def test_concurrent_prepare_builds_once(tmp_path):
+    cfg = text_cfg(tmp_path, vocab_size=290)
+    calls = tokenizer.train_calls
+    results = [None, None]
+
+    def worker(i):
+        results[i] = prepare_lm(cfg)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert tokenizer.train_calls == calls + 1
+    assert sorted(r.cache_hit for r in results) == [False, True]
+    assert np.array_equal(results[0].train, results[1].train)
+    entry = next((tmp_path / "cache" / "lm").iterdir())
+    assert not [p for p in entry.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_tokenizer_trained_on_train_split_only(tmp_path):

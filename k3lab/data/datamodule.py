@@ -19,6 +19,7 @@ ranks load the finished cache in `setup`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -98,14 +99,37 @@ def prepare_lm(cfg: DataConfig) -> LMData:
     if cfg.tokenizer not in TOKENIZERS:
         raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is not an option; valid options: {', '.join(TOKENIZERS)}")
     entry = resolve_cache_dir(cfg.cache_dir) / "lm" / lm_cache_key(cfg)
-    meta_path = entry / "meta.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        tok = BPETokenizer.load(entry / "tokenizer.json") if cfg.tokenizer == "bpe" else ByteTokenizer()
-        train = np.load(entry / "train.npy", mmap_mode="r")
-        val = np.load(entry / "val.npy", mmap_mode="r")
-        return LMData(train, val, tok, meta, cache_hit=True)
+    if not (entry / "meta.json").exists():
+        entry.mkdir(parents=True, exist_ok=True)
+        with _exclusive(entry / ".lock"):  # one process builds, concurrent ones wait, then load
+            if not (entry / "meta.json").exists():
+                return _build_lm(cfg, entry)
+    meta = json.loads((entry / "meta.json").read_text())
+    tok = BPETokenizer.load(entry / "tokenizer.json") if cfg.tokenizer == "bpe" else ByteTokenizer()
+    train = np.load(entry / "train.npy", mmap_mode="r")
+    val = np.load(entry / "val.npy", mmap_mode="r")
+    return LMData(train, val, tok, meta, cache_hit=True)
 
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An advisory inter-process lock (fcntl.flock; a no-op where fcntl does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: atomic writes alone keep the cache consistent
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_lm(cfg: DataConfig, entry: Path) -> LMData:
+    """Split, train the tokenizer on the train split, encode both splits, write the cache entry."""
+    meta_path = entry / "meta.json"
     t0 = time.perf_counter()
     docs = corpus.load_documents(cfg.name, cfg.path)
     train_docs, val_docs = corpus.split_documents(docs, cfg.val_fraction)
@@ -119,7 +143,6 @@ def prepare_lm(cfg: DataConfig) -> LMData:
     val = pack(tok, [text for _, text in val_docs])
     t_pack = time.perf_counter()
 
-    entry.mkdir(parents=True, exist_ok=True)
     if cfg.tokenizer == "bpe":
         tok.save(entry / "tokenizer.json")
     _save_npy(entry / "train.npy", train)
