@@ -354,3 +354,45 @@ def test_plot_diagnostics(tmp_path):
     assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
     single = plot_diagnostics(diags["block_attnres"], tmp_path / "one")
     assert sorted(p.name for p in single) == ["depth_diagnostics.json", "depth_rms.png", "depth_weights.png"]
+
+
+@pytest.mark.parametrize("optim", ["muon_per_head", "muon", "adamw"])
+def test_attnres_params_go_to_adamw_under_every_optim(optim):
+    """The harness's grouping rule puts every pseudo-query and AttnRes norm gain in an AdamW group
+    (no weight decay: 1-D), never in Muon."""
+    from k3lab.config import OptimConfig
+    from k3lab.optim.build import param_groups
+
+    model = nn.Module()
+    model.hidden = nn.Linear(D, D, bias=False)  # a hidden matrix, so the Muon group is not empty
+    model.residual = build_residual(ResidualConfig(name="block_attnres", block_size=2), 8, D, EPS)
+    groups = param_groups(model, OptimConfig(name=optim))
+    group_of = {id(p): g["name"] for g in groups for p in g["params"]}
+    assert all(group_of[id(p)] == "adamw_no_decay" for p in model.residual.parameters())
+    assert group_of[id(model.hidden.weight)] == ("adamw" if optim == "adamw" else "muon")
+
+
+@pytest.mark.parametrize("name", ["block_attnres", "full_attnres"])
+def test_k3model_with_attnres_trains(name):
+    """The real model with AttnRes: init leaves the queries at zero (uniform mixes), a step is finite,
+    and every pseudo-query of an op with 2+ sources receives a gradient."""
+    from k3lab.config import ModelConfig
+    from k3lab.model.k3 import K3Model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, d_model=64, head_dim=32, vocab_size=97,
+                      residual=ResidualConfig(name=name, block_size=2))
+    model = K3Model(cfg)
+    assert isinstance(model.residual, AttnResidual)
+    assert all(torch.count_nonzero(q) == 0 for q in model.residual.queries)
+    tokens = torch.randint(0, 97, (2, 17))
+    model.residual.record = True
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, 97), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 0.5
+    diag = model.residual.diagnostics()
+    assert len(diag["output_rms"]) == 4 and len(diag["depth_weights"]) == 5
+    grads = [q.grad for q in model.residual.queries]
+    assert grads[0] is None or torch.count_nonzero(grads[0]) == 0  # op 0 sees the embedding alone
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[1:])
