@@ -206,6 +206,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="bf16 accuracy against the float64 reference first")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
+    p.add_argument("--profile", action="store_true",
+                   help="print a per-kernel CUDA time breakdown of our forward+backward at the first shape")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -215,7 +217,28 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("the kda benchmark needs a CUDA device")
     print(f"python {platform.python_version()}", file=sys.stderr)
+    if args.profile:
+        profile_ours(args.shapes[0])
     bench_kda(args)
+
+
+def profile_ours(shape):
+    """Per-kernel CUDA time of one forward+backward of kda_gated, for both maps (torch profiler)."""
+    B, T, H, K, V = shape
+    for decay in ("sigmoid", "softplus"):
+        xs = make_inputs(B, T, H, K, V, decay, "cuda")
+        for _ in range(2):
+            run_ours(*xs, decay).sum().backward()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_ours(*xs, decay).sum().backward()
+            torch.cuda.synchronize()
+        print(f"## per-kernel CUDA time, {decay}, shape {shape}", flush=True)
+        try:
+            table = prof.key_averages().table(sort_by="device_time_total", row_limit=14)
+        except (AttributeError, KeyError):
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+        print(table, flush=True)
 
 
 if __name__ == "__main__":

@@ -301,7 +301,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     BVS = min(32, BV)
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4)
+        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4, num_stages=1)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
@@ -312,7 +312,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
     _bwd_local_v[(NT, B * H)](
         q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8)
+        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8, num_stages=1)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)

@@ -391,7 +391,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     BVS = min(32, BV)  # narrower V-blocks for the sequential pass: more programs in flight
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
                                          dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
-                                         h0 is not None, ht is not None, prec, num_warps=4)
+                                         h0 is not None, ht is not None, prec, num_warps=4,
+                                         num_stages=2)
     o = torch.empty_like(v)
     _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
                                              num_warps=4)
