@@ -1,17 +1,32 @@
 """Muon / AdamW optimizers, the parameter split and the LR schedule (k3lab.optim)."""
 import copy
 import math
+from pathlib import Path
+
+import lightning as L
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3lab.config import OptimConfig
+from omegaconf import OmegaConf
+
+from k3lab.config import OPTIMS, OptimConfig
 from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, lr_lambda, newton_schulz,
                          orthogonal_update, param_groups, split_params)
 
 RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: one thread is 10-30x faster than two on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # --------------------------------------------------------------------------- a toy model
 
@@ -272,6 +287,42 @@ def test_lightning_config_shape():
     assert isinstance(conf["optimizer"], Muon)
     assert conf["lr_scheduler"]["interval"] == "step"
     assert conf["lr_scheduler"]["scheduler"].optimizer is conf["optimizer"]
+
+
+def test_yaml_options_load_and_build():
+    conf_dir = Path(__file__).resolve().parents[1] / "conf" / "optim"
+    assert {f.stem for f in conf_dir.glob("*.yaml")} == set(OPTIMS)
+    for name in OPTIMS:
+        node = OmegaConf.merge(OmegaConf.structured(OptimConfig), OmegaConf.load(conf_dir / f"{name}.yaml"))
+        cfg = OmegaConf.to_object(node)
+        assert cfg.name == name
+        opt, _ = build_optimizer(ToyLM(), cfg, total_steps=100)
+        assert any(g["use_muon"] for g in opt.param_groups) == (name != "adamw")
+
+
+class ToyLit(L.LightningModule):
+    def __init__(self, total_steps):
+        super().__init__()
+        self.model, self.total_steps = seeded_toy(), total_steps
+
+    def training_step(self, batch, _):
+        return loss_of(self.model, batch)
+
+    def configure_optimizers(self):
+        return lightning_optimizers(self.model, OptimConfig(warmup_steps=2), total_steps=self.total_steps)
+
+
+def test_lightning_automatic_optimisation_with_clipping(tmp_path):
+    lit = ToyLit(total_steps=20)
+    data = [toy_batch(seed=i) for i in range(4)]
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    opt = trainer.optimizers[0]
+    assert trainer.global_step == 4 and isinstance(opt, Muon)
+    expected = OptimConfig().lr * lr_lambda(2, 20, OptimConfig().min_lr_ratio)(4)  # stepped once per step
+    assert opt.param_groups[0]["name"] == "muon" and opt.param_groups[0]["lr"] == pytest.approx(expected)
 
 
 # --------------------------------------------------------------------------- training, determinism, resume
