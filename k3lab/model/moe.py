@@ -29,10 +29,12 @@ from k3lab.model.router import (Router, Routing, all_reduce_sum, broadcast_from_
                                 expert_load, max_violation, score_entropy)
 
 
-def default_expert_hidden(d_model: int, top_k: int, ffn_mult: float = ModelConfig.ffn_mult) -> int:
-    """The dense FFN's hidden width (ModelConfig.ffn_hidden rule) split over the top_k experts a token
-    uses (before latent scaling), rounded to a multiple of 8 (grouped-matmul alignment)."""
-    ffn_hidden = int(round(ffn_mult * d_model / 32)) * 32
+def default_expert_hidden(d_model: int, top_k: int, ffn_hidden: int | None = None) -> int:
+    """The dense FFN's hidden width (given, or by the ModelConfig.ffn_hidden rule with its default
+    ffn_mult) split over the top_k experts a token uses before latent scaling, rounded to a multiple
+    of 8 (grouped-matmul alignment). Tiny model: 352 / 2 = 176."""
+    if not ffn_hidden:
+        ffn_hidden = int(round(ModelConfig.ffn_mult * d_model / 32)) * 32
     return max(8, int(round(ffn_hidden / top_k / 8)) * 8)
 
 
@@ -88,11 +90,13 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(glu_combine(gate, up, self.glu), w3, offs=offs)
 
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # unbind once: its backward stacks the n slice gradients (indexing w[e] per expert would
+        # allocate a full [n, out, in] gradient per expert)
+        w1, w2, w3 = (w.to(xs.dtype).unbind(0) for w in (self.w1, self.w2, self.w3))
         out = []
         for e, seg in enumerate(torch.split(xs, counts.tolist())):
             if seg.shape[0]:
-                a = glu_combine(seg @ self.w1[e].T.to(seg.dtype), seg @ self.w2[e].T.to(seg.dtype), self.glu)
-                out.append(a @ self.w3[e].T.to(seg.dtype))
+                out.append(glu_combine(seg @ w1[e].T, seg @ w2[e].T, self.glu) @ w3[e].T)
         return torch.cat(out) if out else xs.new_zeros(0, self.width)
 
 
@@ -117,6 +121,8 @@ def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing,
 class MoE(nn.Module):
     """Stable LatentMoE FFN: x [B, T, D] -> y [B, T, D]. See the module docstring for the options.
 
+    Expert hidden width: moe.expert_hidden, or (0) the dense FFN width `ffn_hidden` / moe.top_k.
+
     After forward: `aux_loss` (0-dim; non-zero only for balance=aux, training mode). Once per optimizer
     step, after it: `update_bias()`. Logging: `stats()`.
     """
@@ -136,12 +142,7 @@ class MoE(nn.Module):
         scale = alpha if (self.latent and moe.scale_with_latent) else 1
         self.n_experts, self.top_k = moe.n_experts * scale, moe.top_k * scale
         self.width = d_model // alpha
-        if moe.expert_hidden > 0:
-            self.hidden = moe.expert_hidden
-        elif ffn_hidden:
-            self.hidden = max(8, int(round(ffn_hidden / moe.top_k / 8)) * 8)
-        else:
-            self.hidden = default_expert_hidden(d_model, moe.top_k)
+        self.hidden = moe.expert_hidden or default_expert_hidden(d_model, moe.top_k, ffn_hidden)
         self.dispatch = "auto"  # auto | grouped (torch._grouped_mm) | loop; an attribute, set it to compare
 
         self.router = Router(d_model, self.n_experts, self.top_k, moe.router_init_std)

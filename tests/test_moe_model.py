@@ -1,0 +1,56 @@
+"""The moe and balance switches inside the K3 stack: each changes only the FFN sublayers it names."""
+import pytest
+import torch
+
+from k3lab.config import BalanceConfig, MixerConfig, ModelConfig, MoEConfig
+from k3lab.model.k3 import K3Model
+from k3lab.model.moe import MoE
+
+
+def tiny(moe="dense", balance="qb", seed=0, **moe_kw) -> K3Model:
+    torch.manual_seed(seed)
+    # all-MLA mixers keep the test fast; the FFN sublayers (what these switches own) are the same
+    cfg = ModelConfig(vocab_size=97, n_layers=4, d_model=64, head_dim=32, mixer=MixerConfig(name="mla"),
+                      moe=MoEConfig(name=moe, **moe_kw), balance=BalanceConfig(name=balance))
+    return K3Model(cfg)
+
+
+def shapes(model: torch.nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def test_balance_changes_nothing_under_dense():
+    tokens = torch.randint(0, 97, (2, 24))
+    ref = tiny("dense", "qb")
+    assert not ref.moe_layers()
+    for balance in ("sign", "aux", "none"):
+        other = tiny("dense", balance)
+        assert shapes(other) == shapes(ref)
+        for (k, a), b in zip(ref.state_dict().items(), other.state_dict().values()):
+            assert torch.equal(a, b), k
+        torch.testing.assert_close(other(tokens), ref(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("moe", ["latent_norm", "latent", "standard"])
+def test_moe_replaces_only_the_ffn_of_layers_after_first_dense(moe):
+    dense, sparse = shapes(tiny("dense")), shapes(tiny(moe, first_dense=1))
+    ffn = tuple(f"sublayers.{2 * layer + 1}.fn." for layer in range(1, 4))   # FFN sublayers of layers 1..3
+    assert {k: v for k, v in dense.items() if not k.startswith(ffn)} == \
+        {k: v for k, v in sparse.items() if not k.startswith(ffn)}
+    model = tiny(moe, first_dense=1)
+    assert [type(model.sublayers[2 * layer + 1].fn) is MoE for layer in range(4)] == [False, True, True, True]
+
+
+def test_training_step_updates_router_bias_and_counts():
+    model = tiny("latent_norm", "qb", first_dense=1)
+    moes = model.moe_layers()
+    tokens = torch.randint(0, 97, (4, 32))
+    loss = model(tokens).logsumexp(-1).mean() + model.aux_loss()
+    loss.backward()
+    model.update_router_biases()
+    for m in moes:
+        assert m.router.bias.abs().sum() > 0 and abs(float(m.router.bias.mean())) < 1e-6
+        assert 0 <= m.stats()["maxvio"] < m.n_experts
+    counts = model.param_counts()
+    inactive = sum(m.n_params_total() - m.n_params_active() for m in moes)
+    assert inactive > 0 and counts["params_active"] == counts["params_total"] - inactive
