@@ -1,0 +1,256 @@
+"""Figures (matplotlib, Agg backend; each saved as PNG and SVG by `save`).
+
+    plot_curves            a metric against step, tokens and FLOPs, one colour per option of a switch
+    plot_loss_vs_compute   final loss against FLOPs per variant, fitted L(C) curves and the frontier
+    plot_isoflop           approach 2: parabolas per FLOP budget, and N_opt against C
+    plot_ablation          delta against the baseline with 95% CIs, one panel per switch
+    plot_maxvio            MoE MaxVio against step, one colour per option
+    plot_optimal           approach 3: N_opt(C) and D_opt/N_opt with bootstrap bands, per fit
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+
+PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+
+def _plain_log(axis) -> None:
+    """Log axis with plain major labels and no minor labels (no overlapping '2x10^7' ticks)."""
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
+
+
+def save(fig, stem: str | os.PathLike, dpi: int = 90) -> list[Path]:
+    """Write `stem`.png and `stem`.svg, close the figure, return the paths."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    fig.savefig(paths[0], dpi=dpi, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def _colors(options: Sequence) -> dict:
+    return {o: PALETTE[i % len(PALETTE)] for i, o in enumerate(options)}
+
+
+def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str = "loss/val",
+                xs: Sequence[str] = ("step", "tokens", "flops"), order: Optional[Sequence] = None,
+                title: Optional[str] = None):
+    """One panel per x axis; each run a line coloured by its value of column `by` (e.g. a switch or
+    'variant'). curves: long table from collect; runs: the runs table (run_id and `by`)."""
+    c = curves[curves["metric"] == metric].merge(runs[["run_id", by]], on="run_id")
+    if c.empty:
+        raise ValueError(f"no {metric!r} points for these runs")
+    options = list(order) if order is not None else sorted(c[by].unique(), key=str)
+    colors = _colors(options)
+    fig, axes = plt.subplots(1, len(xs), figsize=(4.2 * len(xs), 3.3), squeeze=False)
+    for ax, x in zip(axes[0], xs):
+        for rid, g in c.groupby("run_id"):
+            g = g.sort_values(x)
+            g = g[g[x] > 0] if x != "step" else g
+            ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75)
+        if x != "step":
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(X_LABELS.get(x, x))
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=colors[o], lw=2, label=str(o)) for o in options]
+    axes[0][-1].legend(handles=handles, title=by, fontsize=8, title_fontsize=8)
+    fig.suptitle(title or f"{metric} by {by}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, frontier: bool = True,
+                         color_by: str = "variant", extra_curves: Optional[dict] = None,
+                         c_col: str = "C", loss_col: str = "loss", title: str = "Loss against compute"):
+    """Log-log scatter of loss against FLOPs. fits: {label: object with .predict(C)} drawn over the
+    label's range (label = value of `color_by`); extra_curves: {label: callable(C) -> loss} drawn dashed
+    over the whole range (e.g. approach 3's compute-optimal frontier). frontier: the Pareto frontier of
+    the points as a step line."""
+    from analysis.scaling import pareto_frontier
+
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    cmin, cmax = points[c_col].min(), points[c_col].max()
+    grid = np.geomspace(cmin, cmax, 200)
+    if color_by in points and points[color_by].nunique() <= 10:
+        options = list(dict.fromkeys(points[color_by]))
+        colors = _colors(options)
+        for o in options:
+            g = points[points[color_by] == o]
+            ax.scatter(g[c_col], g[loss_col], s=14, color=colors[o], label=str(o), alpha=0.8)
+            if fits and o in fits:
+                cg = np.geomspace(g[c_col].min(), g[c_col].max(), 100)
+                ax.plot(cg, fits[o].predict(cg), color=colors[o], lw=1.5)
+    else:
+        sc = ax.scatter(points[c_col], points[loss_col], s=10, c=np.log10(points[color_by]), cmap="viridis",
+                        alpha=0.85)
+        fig.colorbar(sc, ax=ax, label=f"log10 {color_by}")
+    if frontier:
+        m = pareto_frontier(points[c_col], points[loss_col])
+        f = points[m].sort_values(c_col)
+        ax.step(f[c_col], f[loss_col], where="post", color="k", lw=1, alpha=0.6, label="frontier (data)")
+    for i, (lab, fn) in enumerate((extra_curves or {}).items()):
+        ax.plot(grid, fn(grid), ls="--", lw=1.5, color=PALETTE[(i + 3) % len(PALETTE)], label=lab)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log(ax.yaxis)
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N", loss_col: str = "loss"):
+    """Left: loss against N per budget with the fitted parabolas and vertices. Right: N_opt against C
+    with the power-law fit. fit: analysis.scaling.IsoFlopFit; budget: budget label per row of table."""
+    par = fit.parabolas
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(par)))
+    for (_, p), col in zip(par.iterrows(), colors):
+        m = budget == p["C"]
+        if p["n_runs"] < 3:
+            continue
+        ax.scatter(table.loc[m, n_col], table.loc[m, loss_col], s=12, color=col)
+        if np.isfinite(p["p2"]):
+            x = np.linspace(np.log(table.loc[m, n_col].min()), np.log(table.loc[m, n_col].max()), 60)
+            ax.plot(np.exp(x), np.polyval([p["p2"], p["p1"], p["p0"]], x), color=col, lw=1,
+                    ls="-" if p["valid"] else ":", label=f"{p['C']:.2g}")
+        if p["valid"]:
+            ax.plot(p["N_opt"], p["L_opt"], "x", color=col, ms=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel("loss")
+    ax.set_title("isoFLOP profiles (dotted: not used)", fontsize=10)
+    ax.legend(title="C", fontsize=6, title_fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    v = par[par["valid"]]
+    bx.scatter(v["C"], v["N_opt"], color="C0", zorder=3)
+    cg = np.geomspace(v["C"].min(), v["C"].max(), 50)
+    ci = fit.ci()
+    lab = f"N_opt ∝ C^{fit.a:.3f}" + (f" [{ci.loc['a', 'lo']:.3f}, {ci.loc['a', 'hi']:.3f}]" if "a" in ci.index else "")
+    bx.plot(cg, fit.n_opt(cg), color="C0", label=lab)
+    bx.set_xscale("log")
+    bx.set_yscale("log")
+    bx.set_xlabel("training FLOPs C")
+    bx.set_ylabel("N_opt")
+    bx.legend(fontsize=8)
+    bx.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+def plot_ablation(table: pd.DataFrame):
+    """Point plot of delta (option - baseline) with 95% CI, one panel per switch, one row per
+    (option, cell). table: analysis.ablate.ablation_table output."""
+    t = table[table["test"] != "baseline"]
+    if t.empty:
+        raise ValueError("the ablation table has no non-baseline options")
+    switches = list(dict.fromkeys(t["switch"]))
+    cell_cols = [c for c in table.columns if c not in {
+        "switch", "option", "baseline", "n", "seeds", "mean", "std", "ci_lo", "ci_hi", "delta", "delta_lo",
+        "delta_hi", "p_value", "test"}]
+    multi_cell = any(t[c].nunique() > 1 for c in cell_cols)
+    heights = [max(1, (t["switch"] == s).sum()) for s in switches]
+    fig, axes = plt.subplots(len(switches), 1, figsize=(6.0, 0.9 + 0.42 * sum(heights) + 0.5 * len(switches)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False, sharex=True)
+    for ax, s in zip(axes[:, 0], switches):
+        g = t[t["switch"] == s].reset_index(drop=True)
+        y = np.arange(len(g))[::-1]
+        lo = (g["delta"] - g["delta_lo"]).fillna(0).clip(lower=0)
+        hi = (g["delta_hi"] - g["delta"]).fillna(0).clip(lower=0)
+        sig = (g["delta_lo"] > 0) | (g["delta_hi"] < 0)
+        colors = ["C3" if (sg and d > 0) else "C2" if sg else "C7" for sg, d in zip(sig, g["delta"])]
+        for yi, d, l, h, c in zip(y, g["delta"], lo, hi, colors):
+            ax.errorbar([d], [yi], xerr=[[l], [h]], fmt="o", color=c, capsize=3)
+        labels = [f"{o}" + (" (" + ", ".join(f"{r[c]}" for c in cell_cols) + ")" if multi_cell else "") +
+                  f"  n={n}" for (_, r), o, n in zip(g.iterrows(), g["option"], g["n"])]
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.set_ylim(-0.6, len(g) - 0.4)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_title(f"{s} (baseline {g['baseline'].iloc[0]})", fontsize=9, loc="left")
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1, 0].set_xlabel(f"Δ {table.attrs.get('metric', 'metric')} vs baseline (95% CI; red = worse, green = better)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_maxvio(curves: pd.DataFrame, runs: pd.DataFrame, by: str = "balance", metric: str = "moe/maxvio"):
+    """MoE MaxVio (max_j load_j / mean load - 1, averaged over MoE layers) against step, coloured by `by`.
+    Returns None when no run logged `metric`."""
+    c = curves[curves["metric"] == metric]
+    if c.empty:
+        return None
+    fig = plot_curves(curves, runs, by, metric=metric, xs=("step",), title=f"{metric} by {by}")
+    fig.axes[0].set_yscale("log")
+    return fig
+
+
+def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, level: float = 0.95):
+    """Approach 3's compute-optimal allocation per fit: N_opt(C) (left) and D_opt/N_opt (right), with
+    bootstrap percentile bands. fits: {label: ChinchillaFit}; boots: {label: ChinchillaBootstrap}."""
+    from analysis.scaling import THETA_NAMES, optimal_allocation
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    q = (1 - level) / 2
+    for i, (lab, fit) in enumerate(fits.items()):
+        col = PALETTE[i % len(PALETTE)]
+        n_opt, d_opt = fit.optimal(budgets)
+        ax.plot(budgets, n_opt, color=col, label=lab)
+        bx.plot(budgets, d_opt / n_opt, color=col, label=lab)
+        if boots and lab in boots and boots[lab].n_converged:
+            th = boots[lab].good[list(THETA_NAMES)].to_numpy()
+            nb, db = optimal_allocation(th[:, None, :], budgets[None, :])
+            ax.fill_between(budgets, np.quantile(nb, q, 0), np.quantile(nb, 1 - q, 0), color=col, alpha=0.2)
+            bx.fill_between(budgets, np.quantile(db / nb, q, 0), np.quantile(db / nb, 1 - q, 0), color=col, alpha=0.2)
+    for a, lab in ((ax, "N_opt"), (bx, "D_opt / N_opt")):
+        a.set_xscale("log")
+        a.set_yscale("log")
+        a.set_xlabel("training FLOPs C")
+        a.set_ylabel(lab)
+        a.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"Approach 3 compute-optimal allocation ({int(level * 100)}% bootstrap bands)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_multipliers(mult: pd.DataFrame):
+    """Compute multipliers with bootstrap intervals: separate fits at each budget (points joined by
+    lines) and the shared-exponent multiplier (horizontal band), per variant."""
+    fig, ax = plt.subplots(figsize=(5.6, 3.6))
+    for i, (v, g) in enumerate(mult.groupby("variant", sort=False)):
+        col = PALETTE[i % len(PALETTE)]
+        sep = g[g["kind"] == "separate"].sort_values("C")
+        ax.errorbar(sep["C"], sep["multiplier"], yerr=[(sep["multiplier"] - sep["lo"]).clip(lower=0),
+                                                      (sep["hi"] - sep["multiplier"]).clip(lower=0)],
+                    color=col, marker="o", capsize=3, label=f"{v} (separate fits)")
+        sh = g[g["kind"] == "shared"].iloc[0]
+        ax.axhline(sh["multiplier"], color=col, ls="--", lw=1, label=f"{v} shared: {sh['multiplier']:.3g}")
+        ax.axhspan(sh["lo"], sh["hi"], color=col, alpha=0.12)
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs C")
+    ax.set_ylabel("compute multiplier vs baseline")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
