@@ -179,7 +179,7 @@ class DataConfig:
     tokenizer: str = "bpe"       # bpe | byte
     path: Optional[str] = None   # text: a file or folder of .txt / .jsonl
     val_fraction: float = 0.05   # share of documents held out
-    cache_dir: str = "${oc.env:K3LAB_CACHE,~/.cache/k3lab}"
+    cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # env K3LAB_CACHE overrides
     num_workers: int = 0
     # mqar (Zoology, arXiv:2312.04927)
     n_kv_pairs: int = 16

