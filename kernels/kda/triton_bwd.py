@@ -224,11 +224,14 @@ def _cols_db(
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, T, H: tl.constexpr, K: tl.constexpr,
-    BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
+    T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
+    SAFE: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
 ):
     """Per chunk: gradients through the decayed products A (a = b = k) and P (a = q, b = k), then
-    dg = reverse cumulative sum of dG. Sub-blocks are visited last to first to carry that sum."""
+    dg = reverse cumulative sum of dG. Sub-blocks are visited last to first to carry that sum.
+    With a fused gate (GATE 1 = sigmoid, 2 = softplus map of the raw input z) it writes dz instead of
+    dg, and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and dt_bias (ddt_part [B, H, NT, K])."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -248,6 +251,12 @@ def _bwd_local_k(
     mbase = (i_bh * NT * BTC + t0) * BTC
     pbase = (i_bh * NT * BTC + t0) * K
     carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
+    if GATE > 0:
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        dA_acc = tl.zeros([BK], dtype=tl.float32)
+        ddt_acc = tl.zeros([BK], dtype=tl.float32)
+        if GATE == 2:
+            bias = tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)
     for nn in tl.static_range(BTC // BCC):
         n = BTC // BCC - 1 - nn
         rows = n * BCC + r16
@@ -276,12 +285,32 @@ def _bwd_local_k(
         omask = (rows[:, None] < T_local) & (ck[None, :] < K)
         tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
         tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
+        if GATE == 1:       # g = G_MIN sigmoid(a z)
+            zz = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
+            sg = tl.sigmoid(a_h * zz)
+            dpre = tl.where(omask, dg_n * G_MIN * sg * (1.0 - sg), 0.0)
+            dA_acc += tl.sum(dpre * a_h * zz, axis=0)
+            dg_n = dpre * a_h
+        elif GATE == 2:     # g = -a softplus(z + dt_bias)
+            zb = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK) + bias[None, :]
+            sp = tl.where(zb > 20.0, zb, tl.log(1.0 + tl.exp(tl.minimum(zb, 20.0))))
+            dgm = tl.where(omask, dg_n, 0.0)
+            dA_acc += tl.sum(-dgm * a_h * sp, axis=0)
+            dg_n = -dgm * a_h * tl.sigmoid(zb)
+            ddt_acc += tl.sum(dg_n, axis=0)
         tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
+    if GATE > 0:
+        tl.store(dA_part + i_bh * NT + i_n, tl.sum(dA_acc, axis=0))
+        if GATE == 2:
+            tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, ddt_acc, mask=ck < K)
 
 
-def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None):
-    """Launch the backward kernels. Returns dq, dk, dv, dg (of the log-decay g), dbeta and the
-    initial-state gradient (None without an initial state)."""
+def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
+            gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0):
+    """Launch the backward kernels. Returns dq, dk, dv, dg, dbeta, the initial-state gradient (None
+    without an initial state), dA_log and ddt_bias. Without a fused gate (gate = 0) dg is the gradient
+    of the log-decay g and the last two are None; with gate 1 (sigmoid) or 2 (softplus) it is the
+    gradient of the raw input z, and dA_log [H] (and ddt_bias [H * K] for softplus) come along."""
     import torch
 
     B, T, H, K = q.shape
@@ -316,6 +345,49 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, T, H, K, BK, BT, BC,
-                              bool(safe_gate), prec, num_warps=8)
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
+    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
+    ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
+    _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
+                              dummy if z is None else z, dummy if A_log is None else A_log,
+                              dummy if dt_bias is None else dt_bias,
+                              dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
+                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min), num_warps=8)
+    dA_log = dA_part.sum((0, 2)) if gate else None
+    ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
+
+
+@triton.jit
+def _prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, dq, dk, dbl, N, K: tl.constexpr, BK: tl.constexpr,
+              BR: tl.constexpr):
+    """Backward of ``_prep``: dq = (dqn - qn <qn, dqn>) / |q| (likewise k), dbl = dbeta beta (1 - beta)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BK)
+    m = (r[:, None] < N) & (c[None, :] < K)
+    off = r[:, None] * K + c[None, :]
+    x = tl.load(qn + off, mask=m, other=0.0)
+    dx = tl.load(dqn + off, mask=m, other=0.0).to(tl.float32)
+    inv = tl.load(rq + r, mask=r < N, other=0.0)
+    tl.store(dq + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dq.dtype.element_ty), mask=m)
+    x = tl.load(kn + off, mask=m, other=0.0)
+    dx = tl.load(dkn + off, mask=m, other=0.0).to(tl.float32)
+    inv = tl.load(rk + r, mask=r < N, other=0.0)
+    tl.store(dk + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dk.dtype.element_ty), mask=m)
+    b = tl.load(beta + r, mask=r < N, other=0.0)
+    db = tl.load(dbeta + r, mask=r < N, other=0.0).to(tl.float32)
+    tl.store(dbl + r, (db * b * (1.0 - b)).to(dbl.dtype.element_ty), mask=r < N)
+
+
+def prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, q_dtype, k_dtype, bl_dtype):
+    """Gradients of the raw q, k and beta logits from those of the normalised q, k and of beta."""
+    import torch
+
+    K = qn.shape[-1]
+    N = qn.numel() // K
+    dq = torch.empty(qn.shape, device=qn.device, dtype=q_dtype)
+    dk = torch.empty(kn.shape, device=kn.device, dtype=k_dtype)
+    dbl = torch.empty(beta.shape, device=qn.device, dtype=bl_dtype)
+    BR = 16
+    _prep_bwd[(triton.cdiv(N, BR),)](qn, kn, beta, rq, rk, dqn.contiguous(), dkn.contiguous(), dbeta.contiguous(),
+                                    dq, dk, dbl, N, K, _pow2(K), BR, num_warps=4)
+    return dq, dk, dbl

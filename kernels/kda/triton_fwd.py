@@ -398,3 +398,40 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                                              num_warps=4)
     saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved
+
+
+@triton.jit
+def _prep(q, k, bl, qn, kn, beta, rq, rk, N, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """Fused input prep for ``kda_gated``: over N = B*T*H rows, qn = q / max(|q|, 1e-12) (likewise k),
+    stored in float32 with the inverse norms rq, rk [N], and beta = sigmoid(bl)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BK)
+    m = (r[:, None] < N) & (c[None, :] < K)
+    off = r[:, None] * K + c[None, :]
+    x = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    tl.store(qn + off, x * inv[:, None], mask=m)
+    tl.store(rq + r, inv, mask=r < N)
+    x = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    tl.store(kn + off, x * inv[:, None], mask=m)
+    tl.store(rk + r, inv, mask=r < N)
+    b = tl.load(bl + r, mask=r < N, other=0.0).to(tl.float32)
+    tl.store(beta + r, tl.sigmoid(b), mask=r < N)
+
+
+def prep_fwd(q, k, beta_logits):
+    """q, k [B, T, H, K] (any float dtype), beta_logits [B, T, H] -> float32 normalised q, k, beta and
+    the inverse norms [B, T, H]."""
+    import torch
+
+    K = q.shape[-1]
+    N = q.numel() // K
+    qn = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    kn = torch.empty_like(qn)
+    beta = torch.empty(beta_logits.shape, device=q.device, dtype=torch.float32)
+    rq = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
+    rk = torch.empty_like(rq)
+    BR = 16
+    _prep[(triton.cdiv(N, BR),)](q, k, beta_logits, qn, kn, beta, rq, rk, N, K, _pow2(K), BR, num_warps=4)
+    return qn, kn, beta, rq, rk
