@@ -110,5 +110,16 @@ def test_causality(results):
     assert c["after_P_max_abs_change"] > 1e-3
 
 
+def test_head_dim_limit_is_explicit():
+    """K > 128 is refused with a clear message before any kernel launches."""
+    import torch
+
+    from kernels.kda.triton import kda_triton
+
+    q = torch.zeros(1, 4, 1, 256)
+    with pytest.raises(ValueError, match="K <= 128"):
+        kda_triton(q, q, torch.zeros(1, 4, 1, 16), q, torch.zeros(1, 4, 1))
+
+
 if __name__ == "__main__":
     print(json.dumps(_run_checks()))

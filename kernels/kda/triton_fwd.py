@@ -367,6 +367,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
 
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if K > 128:
+        raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
