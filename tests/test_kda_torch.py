@@ -13,11 +13,14 @@ from kernels.kda.chunk_torch import CHUNK, DecayFactors
 def make_gate(kind: str, B: int, T: int, H: int, K: int, gen: torch.Generator, dtype=torch.float64):
     """Per-channel log-decay g [B, T, H, K] from one of the model's decay maps.
 
+    mild: the softplus map near its initialisation, g ~ -0.2 (the whole-chunk matmul path).
     moderate: the sigmoid map g = -5 * sigmoid(exp(A_h) z) with z ~ N(0, 1), A_h = 0.
     sigmoid_sat: the sigmoid map with saturated z = +-20 (g = -5 or ~ -1e-8).
     softplus_sat: g = -exp(A_h) softplus(z + dt_bias), z = +-20, A_h = log U(1, 16): g down to ~ -320
     and up to ~ -1e-8.
     """
+    if kind == "mild":
+        return -0.2 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)
     if kind == "moderate":
         z = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
         return -5.0 * torch.sigmoid(z)
@@ -67,6 +70,7 @@ NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     [
         (1, 32, 32, "moderate"),
         (100, 32, 16, "moderate"),
+        (100, 32, 16, "mild"),
         (130, 64, 64, "moderate"),
         (70, 64, 32, "softplus_sat"),
         (70, 32, 32, "sigmoid_sat"),
@@ -83,13 +87,14 @@ def test_chunk_matches_recurrent_float64(T, K, V, gate):
         assert rel(a, b) < 1e-6, (name, rel(a, b))
 
 
-def test_both_intra_block_paths_are_exercised():
-    """Moderate gates take the split-at-the-middle path, saturated softplus gates the pairwise one;
-    the float64 test above therefore checks both."""
-    for gate, pairwise in [("moderate", False), ("softplus_sat", True)]:
+def test_all_three_decay_paths_are_exercised():
+    """Mild gates take the whole-chunk matmul, moderate gates the split-at-the-sub-block-middle path,
+    saturated softplus gates the pairwise one; the float64 test above therefore checks all three."""
+    for gate, path in [("mild", "whole"), ("moderate", "mid"), ("softplus_sat", "pair")]:
         g = make_inputs(1, CHUNK, 1, 32, 32, gate)[3]
-        G = g.transpose(1, 2).reshape(1, 1, 1, CHUNK, 32).cumsum(-2)
-        assert (DecayFactors(G).pair is not None) == pairwise, gate
+        f = DecayFactors(g.transpose(1, 2).reshape(1, 1, 1, CHUNK, 32).cumsum(-2))
+        taken = "whole" if f.whole_row is not None else ("pair" if f.pair is not None else "mid")
+        assert taken == path, gate
 
 
 def test_float32_saturated_gates_stay_finite_and_accurate():
