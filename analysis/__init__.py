@@ -11,22 +11,21 @@ Modules (each also a command, `python -m analysis.<name> --help`):
     report    one command: a sweep folder or a CSV -> a Markdown report with tables and figures
     synthetic synthetic run directories drawn from a known scaling law (tests, example figures)
 """
-from analysis.collect import Collection, collect, load_csv
-from analysis.ablate import DEFAULT_BASELINE, ablation_table
-from analysis.scaling import (
-    ChinchillaFit,
-    bootstrap_chinchilla,
-    compute_multiplier_separate,
-    compute_multiplier_shared,
-    fit_chinchilla,
-    fit_isoflop,
-    fit_loss_vs_compute,
-    leave_largest_out,
-)
+import importlib
 
-__all__ = [
-    "Collection", "collect", "load_csv",
-    "DEFAULT_BASELINE", "ablation_table",
-    "ChinchillaFit", "fit_chinchilla", "bootstrap_chinchilla", "leave_largest_out",
-    "fit_isoflop", "fit_loss_vs_compute", "compute_multiplier_separate", "compute_multiplier_shared",
-]
+# name -> submodule; imported on first use so that `python -m analysis.<tool>` runs cleanly (PEP 562)
+_EXPORTS = {
+    "Collection": "collect", "collect_runs": "collect", "load_csv": "collect",
+    "DEFAULT_BASELINE": "ablate", "ablation_table": "ablate",
+    "ChinchillaFit": "scaling", "fit_chinchilla": "scaling", "bootstrap_chinchilla": "scaling",
+    "leave_largest_out": "scaling", "fit_isoflop": "scaling", "fit_loss_vs_compute": "scaling",
+    "compute_multipliers": "scaling", "compute_multiplier_separate": "scaling",
+    "compute_multiplier_shared": "scaling",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"analysis.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")

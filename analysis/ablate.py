@@ -207,8 +207,10 @@ def print_ablation(table: pd.DataFrame) -> None:
         t.add_row(*[fmt(v) for v in row], style=style)
     con = Console()
     con.width = max(con.width, 150)
-    if constant:
-        con.print("same for every row: " + ", ".join(f"{c}={fmt(display_table(table)[c].iloc[0])}" for c in constant))
+    same = [f"{c}={fmt(display_table(table)[c].iloc[0])}" for c in constant
+            if fmt(display_table(table)[c].iloc[0]) not in ("", "nan")]
+    if same:
+        con.print("same for every row: " + ", ".join(same))
     con.print(t)
     for n in table.attrs.get("notes", []):
         con.print(f"[yellow]note:[/yellow] {n}")

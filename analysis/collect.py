@@ -197,6 +197,9 @@ def collect(paths: Iterable[str | os.PathLike], include_config: bool = True, cur
     return Collection(runs=runs, curves=curv, skipped=skip)
 
 
+collect_runs = collect  # package-level name (`analysis.collect` is the module)
+
+
 def print_skipped(skipped: pd.DataFrame) -> None:
     """Rich table of skipped runs (nothing when none)."""
     if skipped.empty:
@@ -244,6 +247,9 @@ def load_csv(path: str | os.PathLike, mapping: str | dict | None = None) -> pd.D
     for canon, col in mapping.items():
         if canon != col:
             df[canon] = df[col]
+    for c in CANONICAL:  # huge integers (FLOPs > 2^63) load as object/uint64
+        if c in df.columns:
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
     df = _derive(df, str(path))
     return df
 

@@ -20,25 +20,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
 def _plain_log(axis) -> None:
-    """Log axis with plain major labels and no minor labels (no overlapping '2x10^7' ticks)."""
+    """Log axis over a short range (loss, D/N): ticks at 1, 2, 3, 5 x 10^k with plain labels."""
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_formatter(NullFormatter())
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
 
 
-def save(fig, stem: str | os.PathLike, dpi: int = 90) -> list[Path]:
-    """Write `stem`.png and `stem`.svg, close the figure, return the paths."""
+def save(fig, stem: str | os.PathLike, dpi: int = 80, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+    """Write `stem`.png (always) and `stem`.svg (when in formats), close the figure, return the paths."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
-    fig.savefig(paths[0], dpi=dpi, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
+    paths = [stem.with_suffix("." + f) for f in dict.fromkeys(("png", *formats))]
+    for p in paths:
+        fig.savefig(p, dpi=dpi)
     plt.close(fig)
     return paths
 
@@ -193,14 +194,18 @@ def plot_ablation(table: pd.DataFrame):
     return fig
 
 
-def plot_maxvio(curves: pd.DataFrame, runs: pd.DataFrame, by: str = "balance", metric: str = "moe/maxvio"):
+def plot_maxvio(curves: pd.DataFrame, runs: pd.DataFrame, by: str = "balance", metric: str = "moe/maxvio",
+                order: Optional[Sequence] = None):
     """MoE MaxVio (max_j load_j / mean load - 1, averaged over MoE layers) against step, coloured by `by`.
     Returns None when no run logged `metric`."""
     c = curves[curves["metric"] == metric]
     if c.empty:
         return None
-    fig = plot_curves(curves, runs, by, metric=metric, xs=("step",), title=f"{metric} by {by}")
+    fig = plot_curves(curves, runs, by, metric=metric, xs=("step",), order=order, title=f"{metric} by {by}")
     fig.axes[0].set_yscale("log")
+    _plain_log(fig.axes[0].yaxis)
+    fig.set_size_inches(5.0, 3.4)
+    fig.tight_layout()
     return fig
 
 
@@ -226,6 +231,8 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
         a.set_yscale("log")
         a.set_xlabel("training FLOPs C")
         a.set_ylabel(lab)
+        if lab != "N_opt":
+            _plain_log(a.yaxis)
         a.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.suptitle(f"Approach 3 compute-optimal allocation ({int(level * 100)}% bootstrap bands)", fontsize=10)

@@ -33,8 +33,9 @@ from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chi
 class Report:
     """Markdown lines plus figures written beside them."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, formats: tuple = ("png", "svg")):
         self.out = out
+        self.formats = formats
         self.lines: list[str] = []
         out.mkdir(parents=True, exist_ok=True)
 
@@ -48,8 +49,9 @@ class Report:
     def figure(self, fig, name: str, caption: str) -> None:
         if fig is None:
             return
-        plots.save(fig, self.out / name)
-        self.add(f"![{caption}]({name}.png)", f"*{caption}* ([SVG]({name}.svg))")
+        plots.save(fig, self.out / name, formats=self.formats)
+        link = f" ([SVG]({name}.svg))" if "svg" in self.formats else ""
+        self.add(f"![{caption}]({name}.png)", f"*{caption}*{link}")
 
     def write(self, name: str = "report.md") -> Path:
         path = self.out / name
@@ -107,26 +109,28 @@ def section_ablation(rep: Report, col: Collection, args) -> None:
     rep.figure(plots.plot_ablation(table), "ablation_deltas", "Delta against the baseline with 95% CIs")
     ref, _ = effective_baseline(col.runs, _parse_baseline(args.baseline))
     metric = "loss/val" if (col.curves["metric"] == "loss/val").any() else "loss/train"
+    match = [c for c in args.match.split(",") if c in table.columns]
     for s in dict.fromkeys(table["switch"]):
-        ids = set()
-        for _, row in table[table["switch"] == s].iterrows():
-            m = (col.runs[s] == row["option"])
-            for o, ro in ref.items():
-                if o != s and ro is not None:
-                    m &= col.runs[o] == ro
-            for c in args.match.split(","):
-                if c in table.columns:
-                    m &= col.runs[c] == row[c]
-            ids |= set(col.runs.loc[m, "run_id"])
-        runs = col.runs[col.runs["run_id"].isin(ids)]
-        order = list(dict.fromkeys(table.loc[table["switch"] == s, "option"]))
+        # curves of the matched cell with the most runs (one model size / token budget per figure)
+        t = table[table["switch"] == s]
+        cell = t.groupby(match, dropna=False)["n"].sum().idxmax() if match else ()
+        cell = cell if isinstance(cell, tuple) else (cell,)
+        m = col.runs[s].isin(t["option"])
+        for o, ro in ref.items():
+            if o != s and ro is not None:
+                m &= col.runs[o] == ro
+        for c, v in zip(match, cell):
+            m &= col.runs[c] == v
+        runs = col.runs[m]
+        order = list(dict.fromkeys(t["option"]))
         try:
             fig = plots.plot_curves(col.curves, runs, s, metric=metric, order=order)
         except ValueError:
             continue
-        rep.figure(fig, f"curves_{s}", f"{metric} by {s} option against step, tokens and FLOPs")
+        where = ", ".join(f"{c}={fmt(v)}" for c, v in zip(match, cell))
+        rep.figure(fig, f"curves_{s}", f"{metric} by {s} option against step, tokens and FLOPs ({where})")
         if s == "balance" or ("balance" not in set(table["switch"]) and s == "moe"):
-            rep.figure(plots.plot_maxvio(col.curves, runs, by=s), f"maxvio_{s}", f"MoE MaxVio by {s} option")
+            rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=order), f"maxvio_{s}", f"MoE MaxVio by {s} option ({where})")
     if "balance" not in set(table["switch"]) and "moe" not in set(table["switch"]):
         rep.figure(plots.plot_maxvio(col.curves, col.runs, by="model"), "maxvio", "MoE MaxVio over training")
 
@@ -155,6 +159,10 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
             row.update({"95% CI": f"[{fmt(ci.loc[k, 'lo'])}, {fmt(ci.loc[k, 'hi'])}]", "SE": ci.loc[k, "se"]})
         rows.append(row)
     rep.table(pd.DataFrame(rows))
+    if fit.E < 1e-3 * loss.min():
+        rep.add(f"**Warning:** E collapsed to {fit.E:.3g} (its lower limit): the irreducible-loss term is not "
+                "identified by these points, the objective's gradient in e vanishes there, so bootstrap replicates "
+                "stay at the boundary and E's interval says nothing; the other parameters absorb the missing E.")
     n_opt, d_opt = fit.optimal(budgets)
     opt = pd.DataFrame({"C": budgets, "N_opt": n_opt, "D_opt": d_opt, "D/N": d_opt / n_opt})
     if boot:
@@ -167,7 +175,7 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
     rep.table(opt)
     out = {"fit": fit, "boot": boot, "llo": None}
     try:
-        llo_fit, held = leave_largest_out(n, d, loss, n_sizes=args.llo_sizes, grid="coarse")
+        llo_fit, held = leave_largest_out(n, d, loss, n_sizes=args.llo_sizes, grid=args.grid)
     except ValueError as e:
         rep.add(f"Leave-largest-size-out: skipped ({e}).")
         return out
@@ -194,6 +202,10 @@ def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows"
     for sub in args.subset:
         name, _, q = sub.partition(":")
         scen[name.strip()] = df.query(q.strip() if q else name)
+    for alt in args.alt_n:
+        if alt not in df:
+            raise SystemExit(f"--alt-n {alt!r}: no such column; available: {list(df.columns)}")
+        scen[f"N = {alt}"] = df.assign(N=df[alt].astype(float))
     results = {k: _approach3(rep, k, v, args, budgets) for k, v in scen.items()}
     results = {k: v for k, v in results.items() if v}
     if len(results) > 1 or any(r["llo"] for r in results.values()):
@@ -299,10 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=None, help="FLOP budgets for the allocation tables, e.g. 1e18,1e20,1e22")
     p.add_argument("--subset", action="append", default=[],
                    help="extra approach-3 fit on a subset, 'NAME: pandas query', e.g. 'D >= 1e9: D >= 1e9'")
+    p.add_argument("--alt-n", action="append", default=[],
+                   help="extra approach-3 fit with another column as N (e.g. non-embedding parameters)")
     p.add_argument("--llo-sizes", type=int, default=1, help="largest model sizes left out in the prediction check")
     p.add_argument("--iso-tol", type=float, default=0.05, help="dex within which runs share a FLOP budget")
     p.add_argument("--variant-col", default=None, help="CSV column naming the variant for L(C) and multipliers")
     p.add_argument("--baseline-variant", default="baseline", help="variant the multipliers are relative to")
+    p.add_argument("--formats", default="png,svg", help="figure formats (png is always written)")
     p.add_argument("--lc-points", default="frontier", choices=["frontier", "all"],
                    help="points of each variant used for L(C): its Pareto frontier or all runs")
     return p
@@ -311,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> Path:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
-    rep = Report(out)
+    rep = Report(out, tuple(f for f in args.formats.split(",") if f))
     src = args.csv or " ".join(args.paths)
     rep.add(f"# {args.title or 'Analysis report: ' + src}",
             f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by",
