@@ -87,3 +87,32 @@ def test_matches_fla(gate):
     theirs = run(partial(kda, backend="fla"), xs)
     for n, a, b in zip(NAMES, ours, theirs):
         assert rel(a, b) < 2e-2, (n, rel(a, b))
+
+
+@pytest.mark.parametrize("decay", ["sigmoid", "softplus"])
+def test_model_layer_same_with_triton_and_torch_backends(decay):
+    """The model's KDA layer (k3lab.model.kda.KDA) under bf16 autocast gives the same output and
+    parameter gradients with kernels.backend=triton as with the plain torch path."""
+    from k3lab.config import DecayConfig, KernelsConfig, ModelConfig
+    from k3lab.model.kda import KDA
+
+    layers, outs = [], []
+    for backend in ("torch", "triton"):
+        cfg = ModelConfig(n_layers=4, d_model=512, head_dim=128, decay=DecayConfig(name=decay),
+                          kernels=KernelsConfig(backend=backend))
+        torch.manual_seed(0)
+        layer = KDA(cfg).cuda()
+        if layers:
+            layer.load_state_dict(layers[0].state_dict())
+        elif decay == "softplus":
+            with torch.no_grad():
+                layer.A_log.copy_(torch.log(torch.linspace(1, 16, layer.A_log.numel())))
+                layer.dt_bias.fill_(-4.0)
+        layers.append(layer)
+        x = torch.randn(2, 700, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().mean().backward()
+        outs.append([y.float()] + [p.grad.float() for p in layer.parameters()])
+    for a, b in zip(*outs):
+        assert rel(a, b) < 2e-2, rel(a, b)
