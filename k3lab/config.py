@@ -157,8 +157,8 @@ class ModelConfig:
 class OptimConfig:
     """Muon (Newton-Schulz, arXiv:2502.16982) on hidden matrices, AdamW on the rest; or AdamW alone."""
     name: str = "muon_per_head"
-    lr: float = 2e-2             # Muon lr (update RMS matched to AdamW, so comparable to adam_lr)
-    adam_lr: float = 3e-3        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
+    lr: float = 6e-3             # Muon lr (update RMS matched to AdamW, so of adam_lr's order)
+    adam_lr: float = 1e-2        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.95
     nesterov: bool = True
@@ -175,7 +175,7 @@ class DataConfig:
     name: str = "sotu"           # sotu | text | mqar
     seq_len: int = 256
     batch_size: int = 16
-    vocab_size: int = 4096       # BPE vocab; ignored for byte-level and mqar
+    vocab_size: int = 1024       # BPE vocab; ignored for byte-level and mqar
     tokenizer: str = "bpe"       # bpe | byte
     path: Optional[str] = None   # text: a file or folder of .txt / .jsonl
     val_fraction: float = 0.05   # share of documents held out

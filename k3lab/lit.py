@@ -74,9 +74,11 @@ class K3LitModule(L.LightningModule):
             return
         now = time.perf_counter()
         tokens_per_s = self._loss_count * self.tokens_per_step / max(now - self._t_last, 1e-9)
+        groups = {g["name"]: g["lr"] for g in self.optimizers().param_groups}
         metrics = {
             "loss/train": self._loss_sum / max(self._loss_count, 1),
-            "optim/lr": self.optimizers().param_groups[0]["lr"],
+            "optim/lr": groups.get("muon", groups.get("adamw")),
+            "optim/lr_adamw": groups.get("adamw", groups.get("adamw_no_decay")),
             "optim/grad_norm": self._grad_norm,
             "speed/tokens_per_s": tokens_per_s,
             **self.router_metrics(),
