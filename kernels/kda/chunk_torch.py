@@ -94,12 +94,12 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, f: DecayFactors, strict: 
     nb = f.nb
     ab = a.reshape(*batch, nb, SUB, K)
     bb = b.reshape(*batch, nb, SUB, K)
-    # Earlier sub-blocks: off[n, s, m, j] for query s of block n, key j of block m < n.
-    a_row = (ab * f.row).unsqueeze(-3) * f.cross.unsqueeze(-2)              # [..., nb(n), nb(m), SUB, K]
-    b_col = (bb * f.col).unsqueeze(-4)                                       # [..., 1, nb(m), SUB, K]
-    off = a_row @ b_col.transpose(-1, -2)                                    # [..., nb, nb, SUB, SUB]
-    below = torch.ones(nb, nb, device=a.device, dtype=a.dtype).tril(-1)
-    off = off * below[:, :, None, None]
+    # Earlier sub-blocks: off[n, m] (query block n, key block m < n), only the nb(nb-1)/2 pairs needed.
+    n_idx, m_idx = torch.tril_indices(nb, nb, -1, device=a.device)
+    a_row = (ab * f.row)[..., n_idx, :, :] * f.cross[..., n_idx, m_idx, :].unsqueeze(-2)  # [..., P, SUB, K]
+    b_col = (bb * f.col)[..., m_idx, :, :]
+    off = a.new_zeros(*batch, nb, nb, SUB, SUB)
+    off[..., n_idx, m_idx, :, :] = a_row @ b_col.transpose(-1, -2)
     # Same sub-block.
     if f.pair is None:
         diag = (ab * f.mid_row) @ (bb * f.mid_col).transpose(-1, -2)         # [..., nb, SUB, SUB]
