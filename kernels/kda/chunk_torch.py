@@ -152,12 +152,13 @@ def kda_chunk_torch(
     f = DecayFactors(G)
     A = beta * decayed_products(k, k, f, strict=True)                  # [B, H, N, C, C]
     eye = torch.eye(C, device=q.device, dtype=dt)
-    rhs = torch.cat([beta * v, beta * k * G.exp()], dim=-1)            # [B, H, N, C, V + K]
+    eG = G.exp()                                                       # decay from the chunk start
+    rhs = torch.cat([beta * v, beta * k * eG], dim=-1)                 # [B, H, N, C, V + K]
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U, W = UW[..., :V], UW[..., V:]
 
     P = scale * decayed_products(q, k, f, strict=False)                # [B, H, N, C, C]
-    qG = scale * q * G.exp()                                           # [B, H, N, C, K]
+    qG = scale * q * eG                                                # [B, H, N, C, K]
     kG = k * (G[..., -1:, :] - G).exp()                                # decay to the chunk end
     aC = G[..., -1, :].exp().unsqueeze(-1)                             # [B, H, N, K, 1]
 
