@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.config import OptimConfig
+from k3lab.model.attnres import depth_metrics
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
 from k3lab.optim import lightning_optimizers
@@ -41,6 +42,7 @@ class K3LitModule(L.LightningModule):
         self._t_last = time.perf_counter()
         self._val_loss_sum = self._val_correct = self._val_count = 0
         self.last_val: dict[str, float] = {}
+        self.last_depth: dict = {}
         self.elapsed_offset = 0.0  # wall time of the run before a resume
         self._t_start = time.perf_counter()
 
@@ -105,6 +107,9 @@ class K3LitModule(L.LightningModule):
             logger.log_metrics(dict(metrics), step=self.global_step)
 
     # --- validation -----------------------------------------------------------------------------
+    def on_validation_epoch_start(self):
+        self.model.residual.record = True  # depth diagnostics (output RMS per sublayer, AttnRes weights)
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         logits = self.model(x)
@@ -119,10 +124,12 @@ class K3LitModule(L.LightningModule):
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         loss_sum, correct, count = totals.tolist()
         self._val_loss_sum = self._val_correct = self._val_count = 0
+        self.model.residual.record = False
+        self.last_depth = self.model.residual.diagnostics()
         if count == 0 or self.trainer.sanity_checking:
             return
         self.last_val = {"loss/val": loss_sum / count, "acc/val": correct / count}
-        self.log_metrics(self.last_val)
+        self.log_metrics({**self.last_val, **depth_metrics(self.last_depth)})
         if not math.isfinite(self.last_val["loss/val"]):
             raise NonFiniteLossError(f"validation loss is {self.last_val['loss/val']} at step {self.global_step}")
 

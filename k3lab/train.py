@@ -22,6 +22,7 @@ from k3lab.config import (BalanceConfig, DataConfig, DecayConfig, GLUConfig, Ker
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
+from k3lab.model.attnres import plot_diagnostics
 from k3lab.model.k3 import K3Model
 from k3lab.progress import progress_callback, print_run_header
 from k3lab.rundir import AtomicCheckpointIO, JsonlLogger, Summary, environment, read_metrics
@@ -177,6 +178,8 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     summary.finish("completed", **final_fields(run_dir, module, tokens_per_step, fpt))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
+    if module.last_depth:
+        plot_diagnostics(module.last_depth, run_dir / "plots")
     print_final(summary.data)
     return summary.data
 

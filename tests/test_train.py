@@ -60,7 +60,7 @@ def test_run_directory_contract(corpus, tmp_path):
                                       "train.ckpt_every=3", "run_name=r"))
     run_dir = tmp_path / "default" / "r"
     for name in ("config.yaml", "overrides.yaml", "metrics.jsonl", "metrics.csv", "summary.json",
-                 "checkpoints/last.ckpt", "plots/loss.png"):
+                 "checkpoints/last.ckpt", "plots/loss.png", "plots/depth_rms.png"):
         assert (run_dir / name).exists(), name
     lines = rows(run_dir)
     assert all({"step", "tokens", "flops"} <= set(r) for r in lines)
