@@ -11,6 +11,11 @@ Entry points:
   last one, and the L2 norm of q and k (``use_qk_l2norm=True``) with beta = sigmoid(beta_logits) in one
   small prep kernel (float32 out; its backward in one kernel too). ``kda_gated_reference`` is the same
   computation in plain PyTorch (any backend), used by the tests.
+
+Supported: any B, H and T >= 1 (ragged last chunk); K <= 128 (tested 16, 32, 64, 128; other values
+are masked to the next power of two); any V (tested 16 to 128, tiled by 64); fp32 inputs run exact
+fp32 matmuls, bf16 inputs tf32 matmuls with fp32 accumulation and fp32 intermediates; the state is
+fp32. The backward stores nothing in bf16 and reads the chunk states kept by the forward.
 """
 from __future__ import annotations
 
