@@ -91,6 +91,9 @@ class KDA(nn.Module):
         v = heads(self.v_conv(self.v_proj(x)))
         g = self.log_decay(heads(self.f_up(self.f_down(x))))
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, _ = kda(q, k, v, g, beta, backend=self.backend)
+        # the sigmoid map bounds g below by g_min: with g_min >= -5 the Triton/fla kernels may run every
+        # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1)
+        safe = self.decay.name == "sigmoid" and self.decay.g_min >= -5
+        o, _ = kda(q, k, v, g, beta, backend=self.backend, safe_gate=safe)
         o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj(o.reshape(B, T, H * K))
