@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from k3lab.config import BALANCES, MOES, BalanceConfig, GLUConfig, MoEConfig
