@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -177,11 +178,12 @@ def saved_activation_bytes(model: nn.Module, run_forward) -> int:
 def make_step(model, tokens, args, device):
     """Returns (step, forward): step() runs one timed training step and returns its loss."""
     model.to(device)
+    compiled = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            logits = model(tokens[:, :-1])
+            logits = compiled(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
     def step():
@@ -252,17 +254,23 @@ def bench_seam(variants, args, device) -> dict:
         cls = IMPLS[impl.rstrip("]")] if impl else None
         res = build_residual(cfg, n_sub, D, 1e-6) if cls is None else cls(cfg, n_sub, D, 1e-6)
         residuals[v] = res.to(device)
+
+    def seam(res, emb):
+        state = res.begin(emb)
+        for i in range(n_sub):
+            state = res.write(state, i, res.read(state, i) * scales[i] + noise[i])
+        return res.end(state).float().square().mean()
+
+    seams = {v: torch.compile(functools.partial(seam, res)) if args.compile else functools.partial(seam, res)
+             for v, res in residuals.items()}
     times = {v: [] for v in variants}
     cpu_times = {v: [] for v in variants}
     for r in range(args.warmup + 3 * args.steps):
-        for v, res in residuals.items():
+        for v in residuals:
             emb = emb0.clone().requires_grad_(True)
             sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            state = res.begin(emb)
-            for i in range(n_sub):
-                state = res.write(state, i, res.read(state, i) * scales[i] + noise[i])
-            res.end(state).float().square().mean().backward()
+            seams[v](emb).backward()
             sync(device)
             if r >= args.warmup:
                 times[v].append(time.perf_counter() - t0)
@@ -308,7 +316,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (default 1 CPU, 3 CUDA)")
     p.add_argument("--variants", default="standard,block_attnres,full_attnres")
     p.add_argument("--impl-variants", action="store_true", help="also time block_attnres[autograd|nocache|stack]")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default 1: on a shared machine, multi-threaded tiny ops time erratically)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each model (as train.compile=true)")
     p.add_argument("--no-seam", action="store_true", help="skip the residual-alone micro-benchmark")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -321,8 +331,8 @@ def main(argv=None):
     args.steps = args.steps or (20 if cuda else 5)
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     args.block_size = args.block_size or max(2, round(2 * args.layers / 8))  # tiny: 2 (conf default)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads or not cuda:
+        torch.set_num_threads(args.threads or 1)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -341,7 +351,7 @@ def main(argv=None):
     print(f"model={kind} layers={args.layers} (sublayers={2 * args.layers}) d_model={base.width} "
           f"params={n_params / 1e6:.1f}M batch={args.batch} seq={args.seq} dtype={args.dtype} "
           f"device={torch.cuda.get_device_name() if cuda else 'cpu'} threads={torch.get_num_threads()} "
-          f"block_size={args.block_size} (n_blocks={-(-2 * args.layers // args.block_size)}) "
+          f"block_size={args.block_size} (n_blocks={-(-2 * args.layers // args.block_size)}) compile={args.compile} "
           f"torch={torch.__version__}")
     models = {}
     for v in variants:
