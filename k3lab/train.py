@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import re
+import resource
+import statistics
 import sys
 import traceback
 import warnings
@@ -192,11 +194,21 @@ def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: 
     steps = max((r["step"] for r in rows), default=0)
     tokens = steps * tokens_per_step
     non_emb = module.model.param_counts()["params_active_non_embedding"]
+    speeds = [r["speed/tokens_per_s"] for r in rows if r.get("speed/tokens_per_s")]
     return {
         "steps": steps, "tokens": tokens, "flops": tokens * fpt, "flops_6nd": 6.0 * non_emb * tokens,
+        "tokens_per_s_median": statistics.median(speeds) if speeds else None,
+        "peak_memory_mb": peak_memory_mb(),
         "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,
         "loss_train_final": train_loss[-1] if train_loss else None, "acc_val_final": acc[-1] if acc else None,
     }
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory allocated by torch on this rank, or the process's peak resident memory on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def write_metrics_csv(run_dir: Path) -> None:
