@@ -26,7 +26,12 @@ PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
 def _plain_log(axis) -> None:
-    """Log axis over a short range (loss, D/N): ticks at 1, 2, 3, 5 x 10^k with plain labels."""
+    """Log axis over a short range (loss, D/N): ticks at 1, 2, 3, 5 x 10^k with plain labels. Ranges wider
+    than two decades keep matplotlib's 10^k labels."""
+    axis.axes.autoscale_view()
+    lo, hi = axis.get_view_interval()
+    if lo > 0 and hi / lo > 100:
+        return
     axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_formatter(NullFormatter())
@@ -138,6 +143,7 @@ def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N",
         if p["valid"]:
             ax.plot(p["N_opt"], p["L_opt"], "x", color=col, ms=7)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("parameters N")
     ax.set_ylabel("loss")
     ax.set_title("isoFLOP profiles (dotted: not used)", fontsize=10)
@@ -151,6 +157,7 @@ def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N",
     bx.plot(cg, fit.n_opt(cg), color="C0", label=lab)
     bx.set_xscale("log")
     bx.set_yscale("log")
+    bx.yaxis.set_minor_formatter(NullFormatter())
     bx.set_xlabel("training FLOPs C")
     bx.set_ylabel("N_opt")
     bx.legend(fontsize=8)
@@ -216,11 +223,14 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.6))
     q = (1 - level) / 2
-    for i, (lab, fit) in enumerate(fits.items()):
-        col = PALETTE[i % len(PALETTE)]
+    base_labels = list(dict.fromkeys(lab.split(" (largest")[0] for lab in fits))
+    for lab, fit in fits.items():
+        base = lab.split(" (largest")[0]
+        col = PALETTE[base_labels.index(base) % len(PALETTE)]
+        ls = "--" if base != lab else "-"  # leave-largest-out refits dashed, in their fit's colour
         n_opt, d_opt = fit.optimal(budgets)
-        ax.plot(budgets, n_opt, color=col, label=lab)
-        bx.plot(budgets, d_opt / n_opt, color=col, label=lab)
+        ax.plot(budgets, n_opt, color=col, ls=ls, label=lab)
+        bx.plot(budgets, d_opt / n_opt, color=col, ls=ls, label=lab)
         if boots and lab in boots and boots[lab].n_converged:
             th = boots[lab].good[list(THETA_NAMES)].to_numpy()
             nb, db = optimal_allocation(th[:, None, :], budgets[None, :])

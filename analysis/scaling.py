@@ -360,7 +360,8 @@ def _parabolas(log_n, loss, budget) -> pd.DataFrame:
                 row["why"] = "not convex"
             else:
                 xv = -p1 / (2 * p2)
-                row.update(N_opt=np.exp(xv), L_opt=p0 - p1 * p1 / (4 * p2))
+                with np.errstate(over="ignore"):  # a far-away vertex is flagged below, not an error
+                    row.update(N_opt=np.exp(xv), L_opt=p0 - p1 * p1 / (4 * p2))
                 if xv < x.min() or xv > x.max():
                     row["why"] = "vertex outside the sampled sizes"
                 else:
