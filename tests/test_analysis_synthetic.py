@@ -241,3 +241,18 @@ def test_report_end_to_end(tmp_path):
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
     assert all(p.stat().st_size < 150_000 and p.with_suffix(".svg").exists() for p in pngs)
+
+
+def test_single_thread_blas_without_threadpoolctl(monkeypatch):
+    """The ctypes fallback limits every loaded OpenBLAS to one thread inside the block and restores it."""
+    import analysis._blas as blas
+    import scipy.optimize  # noqa: F401  (loads scipy's OpenBLAS)
+
+    monkeypatch.setattr(blas, "threadpool_limits", None)
+    handles = blas._openblas_handles()
+    if not handles:
+        pytest.skip("no OpenBLAS loaded (other BLAS vendor or not Linux)")
+    before = [get() for get, _ in handles]
+    with blas.single_thread_blas():
+        assert all(get() == 1 for get, _ in handles)
+    assert [get() for get, _ in handles] == before
