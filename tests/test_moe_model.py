@@ -54,3 +54,15 @@ def test_training_step_updates_router_bias_and_counts():
     counts = model.param_counts()
     inactive = sum(m.n_params_total() - m.n_params_active() for m in moes)
     assert inactive > 0 and counts["params_active"] == counts["params_total"] - inactive
+
+
+def test_init_router_std_and_scaled_expert_output():
+    """The model's initialiser honours moe.router_init_std and scales the expert output stack w3 and
+    W_up by 1/sqrt(2 n_layers) like every projection into the residual stream."""
+    model = tiny("latent_norm", first_dense=1, router_init_std=0.1, expert_hidden=64)
+    moe = model.moe_layers()[0]
+    std, out = model.cfg.init_std, model.cfg.init_std / (2 * model.cfg.n_layers) ** 0.5
+    assert abs(float(moe.router.weight.std()) - 0.1) < 0.01
+    assert abs(float(moe.experts.w1.std()) - std) < 0.1 * std
+    assert abs(float(moe.experts.w3.std()) - out) < 0.1 * out
+    assert abs(float(moe.up.weight.std()) - out) < 0.15 * out

@@ -22,6 +22,7 @@ none  nothing.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -54,13 +55,19 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> Routing:
     return Routing(idx, weight, scores, top.values[:, k])
 
 
+def normal_init(p: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:
+    return torch.randn(p.shape, generator=gen) * std
+
+
 class Router(nn.Module):
-    """x [m, D] -> Routing. weight [n, D] (a parameter); bias [n] (a buffer: saved, not optimised)."""
+    """x [m, D] -> Routing. weight [n, D] (a parameter; `weight.init(p, gen)` draws N(0, init_std)
+    for the model's initialiser); bias [n] (a buffer: saved, not optimised)."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, init_std: float = 0.02):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.weight = nn.Parameter(torch.empty(n_experts, d_model).normal_(0.0, init_std))
+        self.weight.init = functools.partial(normal_init, std=init_std)
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
