@@ -50,7 +50,7 @@ class GLUConfig:
 @dataclass
 class MoEConfig:
     """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN."""
-    name: str = "dense"
+    name: str = "latent_norm"
     n_experts: int = 8           # routed experts before latent scaling
     top_k: int = 2               # experts per token before latent scaling
     n_shared: int = 1            # shared experts, full width
@@ -75,7 +75,7 @@ class BalanceConfig:
 class ResidualConfig:
     """standard = PreNorm residual; full_attnres / block_attnres = Attention Residuals
     (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each)."""
-    name: str = "standard"
+    name: str = "block_attnres"
     block_size: int = 2
     n_blocks: int = 0            # >0: block_size = ceil(n_sublayers / n_blocks), ~same block count at any depth
 

@@ -12,7 +12,7 @@ def model(**kw) -> K3Model:
 
 
 def test_all_mla_model_matches_a_hand_count():
-    m = model(mixer=MixerConfig(name="mla"))
+    m = model(mixer=MixerConfig(name="mla"), moe=MoEConfig(name="dense"))
     D, H, d, r, F, V, L = 64, 2, 32, 32, m.cfg.ffn_hidden, 101, 4
     attn = D * H * d + D * r + r * H * d * 2 + D * H * d + H * d * D  # q, kv_down, k_up + v_up, gate, out
     ffn = 3 * D * F
@@ -28,7 +28,7 @@ def test_kda_term_grows_with_kda_layers_not_with_sequence_length():
 
 
 def test_moe_active_parameters_count_top_k_of_n_experts():
-    dense = model()
+    dense = model(moe=MoEConfig(name="dense"))
     moe = model(moe=MoEConfig(name="standard", n_experts=8, top_k=2, n_shared=1, scale_with_latent=False))
     counts = moe.param_counts()
     routed = sum(p.numel() for n, p in moe.named_parameters() if ".experts." in n)

@@ -44,7 +44,7 @@ class PreNorm(nn.Module):
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.moe.name == "dense" or layer < cfg.moe.first_dense:
         return GLU(cfg.width, cfg.ffn_hidden, cfg.glu)
-    return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps)
+    return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden)
 
 
 class K3Model(nn.Module):
