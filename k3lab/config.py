@@ -29,13 +29,14 @@ def check_choice(group: str, value: str, valid: tuple[str, ...]) -> None:
 
 @dataclass
 class DecayConfig:
-    """KDA log-decay map. sigmoid: g = g_min*sigmoid(exp(A_h)*z) (K3 eq. 5);
-    softplus: g = -exp(A_h)*softplus(z + dt_bias) (Kimi Linear, arXiv:2510.26692)."""
+    """KDA log-decay map. sigmoid: g = g_min*sigmoid(exp(A_h)*(z + dt_bias)) (K3 eq. 5);
+    softplus: g = -exp(A_h)*softplus(z + dt_bias) (Kimi Linear, arXiv:2510.26692). dt_bias starts at
+    softplus^-1 of log-uniform[dt_min, dt_max] in both."""
     name: str = "sigmoid"
     g_min: float = -5.0          # sigmoid: lower bound of the per-token log-decay
     a_init_min: float = 1.0      # softplus: A_h = log U(a_init_min, a_init_max)
     a_init_max: float = 16.0
-    dt_min: float = 1e-3         # softplus: dt_bias = softplus^-1(log-uniform[dt_min, dt_max])
+    dt_min: float = 1e-3         # both: dt_bias = softplus^-1(log-uniform[dt_min, dt_max])
     dt_max: float = 1e-1
 
 

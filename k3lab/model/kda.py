@@ -3,10 +3,11 @@
 Per head h, with state S_t [K, V] (Kimi Linear, arXiv:2510.26692, eq. 1):
     S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(K)
     a_t = exp(g_t), g_t [K] the log-decay from one of two maps (the `decay` switch):
-      sigmoid  (Kimi K3, arXiv:2607.24653, eq. 5):  g = g_min * sigmoid(exp(A_h) * z),  A_h init 0, g_min = -5
-      softplus (Kimi Linear):                        g = -exp(A_h) * softplus(z + dt_bias),
-                                                     A_h init log U(1, 16), dt_bias = softplus^-1(logU[1e-3, 1e-1])
-    z = W_f2 W_f1 x (low rank, rank K); beta_t = sigmoid(W_b x) per head.
+      sigmoid  (Kimi K3, arXiv:2607.24653, eq. 5):  g = g_min * sigmoid(exp(A_h) * (z + dt_bias)),  A_h init 0,
+                                                     g_min = -5 (fla's `safe_gate` lower-bound gate)
+      softplus (Kimi Linear):                        g = -exp(A_h) * softplus(z + dt_bias),  A_h init log U(1, 16)
+    z = W_f2 W_f1 x (low rank, rank K); dt_bias [H*K] = softplus^-1(logU[1e-3, 1e-1]) in both maps, so both
+    start with slow decay (sigmoid: g in [-0.47, -0.005]); beta_t = sigmoid(W_b x) per head.
 q, k, v pass a causal depthwise conv (size 4) and SiLU; q and k are L2-normalised per head.
 Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
 The sequence mixing itself runs through `kernels.kda.kda` (chunkwise torch, Triton or fla).
@@ -70,17 +71,16 @@ class KDA(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(H))  # sigmoid map: A_h = 0 at init (K3)
         if cfg.decay.name == "softplus":
             self.A_log.init = partial(_uniform_log, low=cfg.decay.a_init_min, high=cfg.decay.a_init_max)
-            self.dt_bias = nn.Parameter(torch.zeros(H * K))
-            self.dt_bias.init = partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.dt_bias.init = partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max)
 
     def log_decay(self, z: torch.Tensor) -> torch.Tensor:
         """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0)."""
-        z = z.float()
+        z = z.float() + self.dt_bias.float().view(self.n_heads, self.head_dim)
         A = self.A_log.float().exp()[:, None]  # [H, 1]
         if self.decay.name == "sigmoid":
             return self.decay.g_min * torch.sigmoid(A * z)
-        dt_bias = self.dt_bias.float().view(self.n_heads, self.head_dim)
-        return -A * F.softplus(z + dt_bias)
+        return -A * F.softplus(z)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
