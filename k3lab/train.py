@@ -250,6 +250,10 @@ def write_run_plots(run_dir: Path) -> None:
 
 
 def print_final(s: dict) -> None:
-    gap = s["unigram_entropy"] - s["loss_val_final"] if s.get("loss_val_final") is not None else float("nan")
-    print(f"done: val loss {s['loss_val_final']:.4f} (unigram entropy {s['unigram_entropy']:.4f}, "
-          f"{gap:.3f} nats below), {s['steps']} steps, {s['tokens']:,} tokens, {s['wall_time_s']:.0f} s")
+    if s.get("loss_val_final") is None:
+        print(f"done: no validation loss, {s['steps']} steps, {s['wall_time_s']:.0f} s")
+        return
+    gap = s["unigram_entropy"] - s["loss_val_final"]
+    where = f"{gap:.3f} nats below" if gap >= 0 else f"{-gap:.3f} nats above"
+    print(f"done: val loss {s['loss_val_final']:.4f} ({where} the unigram entropy {s['unigram_entropy']:.4f}), "
+          f"{s['steps']} steps, {s['tokens']:,} tokens, {s['wall_time_s']:.0f} s")
