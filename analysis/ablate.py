@@ -110,6 +110,14 @@ def _ordered(switch: str, options: Sequence, ref) -> list:
     return [ref] + [o for o in known if o in options and o != ref] + rest
 
 
+def one_per_seed(runs: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Repeated runs of one configuration with the same seed are one sample, not several: average them
+    per seed (they differ only by nondeterminism), so n counts independent seeds."""
+    if "seed" not in runs or not runs["seed"].duplicated().any():
+        return runs
+    return runs.groupby("seed", as_index=False)[metric].mean()
+
+
 def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline: Optional[dict] = None,
                    match: Optional[Sequence[str]] = None, level: float = 0.95,
                    switches: Sequence[str] = SWITCHES) -> pd.DataFrame:
@@ -136,12 +144,12 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
             key = key if isinstance(key, tuple) else (key,)
             if cell[s].nunique() < 2:
                 continue  # nothing to compare in this cell
-            base = cell[cell[s] == r]
+            base = one_per_seed(cell[cell[s] == r], metric)
             if base.empty:
                 notes.append(f"{s}: cell {dict(zip(match, key))} has no baseline run; skipped")
                 continue
             for opt in _ordered(s, cell[s].unique().tolist(), r):
-                g = cell[cell[s] == opt]
+                g = one_per_seed(cell[cell[s] == opt], metric)
                 row = {"switch": s, "option": opt, "baseline": r, **dict(zip(match, key))}
                 row.update(describe(g[metric].to_numpy(), level))
                 row["seeds"] = ",".join(map(str, sorted(g["seed"].tolist()))) if "seed" in g else ""

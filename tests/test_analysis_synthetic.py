@@ -256,3 +256,18 @@ def test_single_thread_blas_without_threadpoolctl(monkeypatch):
     with blas.single_thread_blas():
         assert all(get() == 1 for get, _ in handles)
     assert [get() for get, _ in handles] == before
+
+
+def test_repeated_runs_of_one_seed_count_once():
+    """Two run directories of the same configuration and seed (e.g. the baseline run by two sweeps)
+    are one sample: n counts seeds, and the interval is not made up from a duplicate."""
+    base = {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim": "muon_per_head",
+            "residual": "block_attnres", "moe": "latent_norm", "mixer": "hybrid", "model": "tiny",
+            "data": "sotu", "tokens": 1000}
+    rows = [dict(base, seed=0, loss_val_final=3.0), dict(base, seed=0, loss_val_final=3.0),
+            dict(base, seed=1, loss_val_final=3.2),
+            dict(base, glu="swiglu", seed=0, loss_val_final=3.1), dict(base, glu="swiglu", seed=1, loss_val_final=3.3)]
+    table = ablation_table(pd.DataFrame(rows))
+    glu = table[table["switch"] == "glu"].set_index("option")
+    assert glu.loc["situ", "n"] == 2 and glu.loc["swiglu", "n"] == 2
+    assert glu.loc["swiglu", "delta"] == pytest.approx(0.1)
