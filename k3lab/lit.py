@@ -1,7 +1,9 @@
 """LightningModule: the training step, validation, router balancing and metric logging around K3Model.
 
-Metrics go straight to the trainer's loggers (JsonlLogger first, CSV/wandb as mirrors) with explicit
+Metrics go straight to the trainer's loggers (JsonlLogger, plus wandb when enabled) with explicit
 steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
+The loss is checked for NaN/inf on every step (one host sync per step): a bad step must fail before
+the checkpoint callback can save it.
 """
 from __future__ import annotations
 
