@@ -70,8 +70,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
             g = g[g[x] > 0] if x != "step" else g
             ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75)
         if x != "step":
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xscale("log")  # matplotlib labels minor ticks itself when the range is under a decade
         ax.set_xlabel(X_LABELS.get(x, x))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
