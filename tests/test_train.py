@@ -150,3 +150,11 @@ def test_resume_of_missing_directory_names_the_path(tmp_path):
     proc = run_cli([f"resume={tmp_path / 'nope'}"])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0 and str(tmp_path / "nope") in out
+
+
+def test_overfit_one_batch_drives_the_training_loss_to_zero(corpus, tmp_path):
+    """debug=overfit repeats one training batch: a working model and optimizer memorise it."""
+    run_inprocess(overrides(corpus, tmp_path, "debug=overfit", "train.max_steps=40", "train.val_every=40",
+                            "run_name=of"))
+    train_losses = [r["loss/train"] for r in rows(tmp_path / "debug" / "of") if "loss/train" in r]
+    assert train_losses[0] > 4.0 and train_losses[-1] < 0.1
