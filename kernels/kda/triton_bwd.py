@@ -20,12 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _load_row, _load_tile, _pow2, dot_precision
+from .triton_fwd import BC, BT, _diag_decay, _load_tile, _pow2, dot_precision, tuned
 
 
+@tuned((4, 1), (8, 1), (4, 2))
 @triton.jit
 def _bwd_state(
-    q, k, W, G, P, do, dht, dHs, dDl, dh0, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    q, k, W, G, P, do, dht, dHs, dDl, dh0, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -69,9 +70,10 @@ def _bwd_state(
         tl.store(dh0 + i_bh * K * V + hoff, dh, mask=hmask)
 
 
+@tuned((8, 1), (4, 1), (8, 2))
 @triton.jit
 def _bwd_local_v(
-    q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale,
+    q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale: tl.constexpr,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BTC: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -154,11 +156,12 @@ def _bwd_local_v(
 
 @triton.jit
 def _rows_da(
-    M1, M2, b, Gall, G_n, n, b_ptr, b_stride, G_ptr, T_local, K,
+    M1, M2, b, Gall, G_n, n, G_ptr, K,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n, for two lower-triangular
-    weight matrices sharing b. M1, M2: [BC, BT] those rows; b, Gall: [BT, BK]. Returns two [BC, BK]."""
+    weight matrices sharing b. M1, M2: [BC, BT] those rows; b, Gall: [BT, BK]. Returns two [BC, BK].
+    With SAFE = False the diagonal sub-block (j in block n) is left to ``_bwd_diag``."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
@@ -176,25 +179,17 @@ def _rows_da(
         rf = tl.exp(G_n - g_first[None, :])
         out1 = rf * tl.dot(tl.where(earlier, M1, 0.0), bf, input_precision=PREC)
         out2 = rf * tl.dot(tl.where(earlier, M2, 0.0), bf, input_precision=PREC)
-        for j in range(BCC):
-            t = n * BCC + j
-            sel = cols[None, :] == t
-            b_j = _load_row(b_ptr, t, T_local, b_stride, K, BK)
-            G_j = _load_row(G_ptr, t, BTC, K, K, BK)
-            bd = b_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
-            out1 += tl.sum(tl.where(sel, M1, 0.0), axis=1)[:, None] * bd
-            out2 += tl.sum(tl.where(sel, M2, 0.0), axis=1)[:, None] * bd
     return out1, out2
 
 
 @triton.jit
 def _cols_db(
-    M1t, a1, M2t, a2, Gall, G_m, m, a1_ptr, a2_ptr, a_stride, G_ptr, T_local, K,
+    M1t, a1, M2t, a2, Gall, G_m, m, G_ptr, K,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m, for two pairs (M1, a1),
     (M2, a2). Mt: [BC, BT] with Mt[j, i] = M[i, m*BC + j] (M lower-triangular); a, Gall: [BT, BK].
-    Returns two [BC, BK]."""
+    Returns two [BC, BK]. With SAFE = False the diagonal sub-block (i in block m) is left to ``_bwd_diag``."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
@@ -210,18 +205,53 @@ def _cols_db(
         cf = tl.exp(g_end[None, :] - G_m)
         out1 = cf * tl.dot(tl.where(later[None, :], M1t, 0.0), a1 * e_row, input_precision=PREC)
         out2 = cf * tl.dot(tl.where(later[None, :], M2t, 0.0), a2 * e_row, input_precision=PREC)
-        for i in range(BCC):
-            t = m * BCC + i
-            sel = cols[None, :] == t
-            G_t = _load_row(G_ptr, t, BTC, K, K, BK)
-            dec = tl.exp(tl.minimum(G_t[None, :] - G_m, 0.0))
-            a1_t = _load_row(a1_ptr, t, T_local, a_stride, K, BK)
-            a2_t = _load_row(a2_ptr, t, T_local, a_stride, K, BK)
-            out1 += tl.sum(tl.where(sel, M1t, 0.0), axis=1)[:, None] * (a1_t[None, :] * dec)
-            out2 += tl.sum(tl.where(sel, M2t, 0.0), axis=1)[:, None] * (a2_t[None, :] * dec)
     return out1, out2
 
 
+@triton.jit
+def _bwd_diag(
+    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
+):
+    """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus),
+    added into the partial sums dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h,
+    BKD key columns); per sub-block the pairwise decays E_ij = e^{G_i - G_j} (j <= i, exponents <= 0)
+    form one [BC, BC, BKD] tensor shared by the four products
+        x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
+        x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
+    and dq += x1, dk += x2 + x3 + x4, dG += q x1 - k x2 + k (x3 - x4)."""
+    i_n, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride_k = H * K
+    c0 = i_c * BKD
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    r16 = tl.arange(0, BCC)
+    cd = c0 + tl.arange(0, BKD)
+    for n in tl.static_range(BTC // BCC):
+        rows = n * BCC + r16
+        E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                    # [i, j, c]
+        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
+        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
+        moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+        dP = tl.load(dPs + moff)[:, :, None]                           # [i, j, 1]
+        dA = tl.load(dAs + moff)[:, :, None]
+        kE = kd[None, :, :] * E                                        # k_j E_ij
+        x1 = tl.sum(dP * kE, axis=1)
+        x3 = tl.sum(dA * kE, axis=1)
+        x2 = tl.sum(dP * (qd[:, None, :] * E), axis=0)
+        x4 = tl.sum(dA * (kd[:, None, :] * E), axis=0)
+        poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
+        pmask = cd[None, :] < K
+        tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
+        tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
+        tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
+
+
+@tuned((8, 1), (4, 1), (8, 2))
 @triton.jit
 def _bwd_local_k(
     q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
@@ -269,10 +299,8 @@ def _bwd_local_k(
         dA_r = tl.load(dAs + row_off)
         dP_c = tl.load(dPs + col_off)
         dA_c = tl.load(dAs + col_off)
-        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, k_ptr, stride_k, G_ptr, T_local, K,
-                          BTC, BCC, BK, SAFE, PREC)
-        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, q_ptr, k_ptr, stride_k, G_ptr, T_local, K,
-                          BTC, BCC, BK, SAFE, PREC)
+        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, BTC, BCC, BK, SAFE, PREC)
+        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, BTC, BCC, BK, SAFE, PREC)
         poff = pbase + rows[:, None] * K + ck[None, :]
         pmask = ck[None, :] < K
         dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
@@ -330,7 +358,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     BVS = min(32, BV)
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4, num_stages=1)
+        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
@@ -341,17 +369,21 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
     _bwd_local_v[(NT, B * H)](
         q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8, num_stages=1)
+        float(scale), T, H, K, V, BK, BV, BT, prec)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
+    if not safe_gate:
+        BKD = min(BK, 32)
+        _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC, BKD,
+                                                   num_warps=4)
     dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
     _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
                               dummy if z is None else z, dummy if A_log is None else A_log,
                               dummy if dt_bias is None else dt_bias,
                               dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
-                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min), num_warps=8)
+                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min))
     dA_log = dA_part.sum((0, 2)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt

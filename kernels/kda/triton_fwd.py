@@ -11,23 +11,37 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
 Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
-16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over
-chunks, one program per (b, h, V-block)), ``_output``.
+16 rows at a time; for an unbounded gate ``_intra_diag`` then fills their diagonal sub-blocks),
+``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over chunks, one program per
+(b, h, V-block)), ``_output``.
 
 Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
 inside ``tl.dot``: with SAFE = False (any gate, e.g. softplus) the split points are the first row
 of the query's 16-row sub-block (all exponents <= 0), and the 16x16 diagonal sub-blocks are formed
-pair by pair; with SAFE = True (gate bounded below, g >= -5 as in K3's sigmoid map) the split point
-is the middle row of the sub-block, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal
-sub-blocks are tensor-core matmuls too (K3 sec. 2.1.1).
+exactly, as [16, 16, 16 columns] tensors of pairwise decays (``_diag_decay``); with SAFE = True
+(gate bounded below, g >= -5 as in K3's sigmoid map) the split point is the middle row of the
+sub-block, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal sub-blocks are
+tensor-core matmuls too (K3 sec. 2.1.1).
 """
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
 
 BT = 64  # chunk size
 BC = 16  # sub-block size
+
+
+def tuned(*warps_stages: tuple[int, int]):
+    """Autotune a kernel over (num_warps, num_stages) pairs, once per (T, K) on the GPU (configs that
+    run out of shared memory are skipped by Triton); under TRITON_INTERPRET=1 only the first runs.
+    Only for kernels that never read what they write (the tuner launches them several times)."""
+    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        configs = configs[:1]
+    return triton.autotune(configs=configs, key=["T", "K"])
 
 
 @triton.jit
@@ -38,13 +52,6 @@ def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr
     c = tl.arange(0, NC)
     m = (r[:, None] < nrows) & (c[None, :] < ncols)
     return tl.load(ptr + r[:, None] * stride + c[None, :], mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_row(ptr, r, nrows, stride, ncols, NC: tl.constexpr):
-    c = tl.arange(0, NC)
-    rr = c * 0 + r
-    return tl.load(ptr + rr * stride + c, mask=(c < ncols) & (rr < nrows), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -78,14 +85,26 @@ def _gate_cumsum(
 
 
 @triton.jit
+def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
+    """E[i, j, c] = e^{min(G_ic - G_jc, 0)} for rows i, j of 16-row sub-block n and the BKD columns
+    c0 .. c0+BKD of the chunk's G (row 0 at G_ptr): the exact pairwise decay of a diagonal sub-block,
+    every exponent <= 0 whatever the gate. Returns float32 [BC, BC, BKD]."""
+    rows = n * BCC + tl.arange(0, BCC)
+    cols = c0 + tl.arange(0, BKD)
+    Gd = tl.load(G_ptr + rows[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
+    return tl.exp(tl.minimum(Gd[:, None, :] - Gd[None, :, :], 0.0))
+
+
+@triton.jit
 def _decayed_rows(
-    k_n, q_n, G_n, kk, Gall, n, k_ptr, k_stride, G_ptr, T_local, K,
+    k_n, q_n, G_n, kk, Gall, n, G_ptr, K,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
     M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
-    whole chunk; k_ptr / G_ptr point at row 0 of the chunk (rows of k beyond T_local read as zero).
-    The key-side factors are shared by both products. Returns two float32 [BC, BT]."""
+    whole chunk; G_ptr points at row 0 of the chunk's G. The key-side factors are shared by both
+    products. Returns two float32 [BC, BT]; with SAFE = False the diagonal sub-block is left zero
+    (``_intra_diag`` fills it)."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
@@ -101,27 +120,18 @@ def _decayed_rows(
         e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
         kf = tl.trans(kk * tl.exp(tl.minimum(e_col, 0.0)))
         rf = tl.exp(G_n - g_first[None, :])
-        A = tl.dot(k_n * rf, kf, input_precision=PREC)
-        P = tl.dot(q_n * rf, kf, input_precision=PREC)
         earlier = cols[None, :] < n * BCC
-        A = tl.where(earlier, A, 0.0)
-        P = tl.where(earlier, P, 0.0)
-        for j in range(BCC):
-            t = n * BCC + j
-            k_j = _load_row(k_ptr, t, T_local, k_stride, K, BK)
-            G_j = _load_row(G_ptr, t, BTC, K, K, BK)
-            kd = k_j[None, :] * tl.exp(tl.minimum(G_n - G_j[None, :], 0.0))
-            sel = cols[None, :] == t
-            A = tl.where(sel, tl.sum(k_n * kd, axis=1)[:, None], A)
-            P = tl.where(sel, tl.sum(q_n * kd, axis=1)[:, None], P)
+        A = tl.where(earlier, tl.dot(k_n * rf, kf, input_precision=PREC), 0.0)
+        P = tl.where(earlier, tl.dot(q_n * rf, kf, input_precision=PREC), 0.0)
     A = tl.where(rows[:, None] > cols[None, :], A, 0.0)
     P = tl.where(rows[:, None] >= cols[None, :], P, 0.0)
     return A, P
 
 
+@tuned((4, 1), (8, 1), (4, 2), (8, 2))
 @triton.jit
 def _intra(
-    q, k, G, At, P, scale, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT]."""
@@ -143,11 +153,44 @@ def _intra(
         G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
         q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, k_ptr, stride, G_ptr, T_local, K,
+        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K,
                              BTC, BCC, BK, SAFE, PREC)
         offs = out_base + rows[:, None] * BTC + cols[None, :]
         tl.store(At + offs, a)
         tl.store(P + offs, p * scale)
+
+
+@triton.jit
+def _intra_diag(
+    q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
+):
+    """The four diagonal 16x16 sub-blocks of At and P of one chunk for an unbounded gate (softplus),
+    written over the zeros ``_intra`` left there: M_ij = sum_c a_ic k_jc E_ijc with the exact pairwise
+    decays E (``_diag_decay``), BKD key columns at a time."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BTC)
+    t0 = i_n * BTC
+    T_local = T - t0
+    stride = H * K
+    base = (i_b * T * H + i_h) * K + t0 * stride
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    r16 = tl.arange(0, BCC)
+    for n in tl.static_range(BTC // BCC):
+        A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+        P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+        for c0 in tl.static_range(0, BK, BKD):
+            E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                   # [i, j, c]
+            k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
+            q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
+            kE = k_d[None, :, :] * E                                     # k_jc E_ijc
+            A_d += tl.sum(k_d[:, None, :] * kE, axis=2)
+            P_d += tl.sum(q_d[:, None, :] * kE, axis=2)
+        rows = n * BCC + r16
+        offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+        tl.store(At + offs, tl.where(r16[:, None] > r16[None, :], A_d, 0.0))
+        tl.store(P + offs, tl.where(r16[:, None] >= r16[None, :], P_d * scale, 0.0))
 
 
 @triton.jit
@@ -190,6 +233,7 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
+@tuned((4, 1), (8, 1), (4, 2))
 @triton.jit
 def _wy(
     k, v, beta, G, At, Tinv, U, W, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -276,6 +320,7 @@ def _wy(
         _store_rows(u_ptr + iv * BV, 3, T_local, stride_v, nv, u3, BCC, BV)
 
 
+@tuned((4, 2), (4, 1), (4, 3), (8, 2))
 @triton.jit
 def _state(
     k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -318,9 +363,10 @@ def _state(
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
 
 
+@tuned((4, 2), (8, 2), (4, 3), (8, 1))
 @triton.jit
 def _output(
-    q, G, P, Hs, Dl, o, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
     """o = scale (q * e^G) S_n + P delta for one chunk and V-block."""
@@ -381,11 +427,13 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                               H, K, BK, gate, float(g_min), BT, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec, num_warps=4)
+    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec)
+    if not safe_gate:
+        _intra_diag[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, num_warps=4)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec)
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
@@ -393,11 +441,9 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     BVS = min(32, BV)  # narrower V-blocks for the sequential pass: more programs in flight
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
                                          dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
-                                         h0 is not None, ht is not None, prec, num_warps=4,
-                                         num_stages=2)
+                                         h0 is not None, ht is not None, prec)
     o = torch.empty_like(v)
-    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
-                                             num_warps=4)
+    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec)
     saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved
 

@@ -1,0 +1,86 @@
+"""The KDA kernel inside real training: same loss curve as the plain path, and the step time it buys.
+
+    python benchmarks/kda_train_check.py                        # GPU: model=small, trainer=gpu, 50 steps
+    python benchmarks/kda_train_check.py --backends torch,triton,fla --seq 2048
+
+Runs ``run.py`` once per ``kernels.backend`` with the same seed, data and config (everything but the
+backend), then compares the per-step training loss of each backend with the first one (the plain
+PyTorch chunkwise path by default) and the median step time over the steps after ``--skip`` (kernel
+compilation and autotuning happen in the first steps). Prints a table and writes it to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from k3lab.rundir import read_metrics  # noqa: E402
+
+
+def train(backend: str, args) -> Path:
+    out_dir = Path(args.out_dir)
+    cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}",
+           f"kernels.backend={backend}", f"train.max_steps={args.steps}", "train.log_every=1",
+           f"train.val_every={args.steps}", "train.ckpt_every=0", f"data.seq_len={args.seq}",
+           f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name={backend}",
+           "overwrite=true", *args.overrides]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    print(f"  {backend}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    return out_dir / "kda_train" / backend
+
+
+def losses_and_step_ms(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float]:
+    rows = [r for r in read_metrics(run_dir) if "loss/train" in r]
+    loss = {r["step"]: r["loss/train"] for r in rows}
+    step_ms = [1e3 * tokens_per_step / r["speed/tokens_per_s"] for r in rows if r["step"] > skip]
+    return loss, statistics.median(step_ms)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default="torch,triton", help="comma-separated; the first is the reference")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--skip", type=int, default=10, help="steps left out of the step-time median")
+    p.add_argument("--model", default="small")
+    p.add_argument("--trainer", default="gpu")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--out-dir", default="runs")
+    p.add_argument("--out", default=None, help="markdown file for the table")
+    p.add_argument("overrides", nargs="*", help="extra run.py overrides, applied to every backend")
+    args = p.parse_args(argv)
+
+    backends = args.backends.split(",")
+    tokens_per_step = args.seq * args.batch
+    results = {b: losses_and_step_ms(train(b, args), tokens_per_step, args.skip) for b in backends}
+    ref_loss, ref_ms = results[backends[0]]
+    lines = [f"Loss curve and step time by `kernels.backend`: model={args.model}, trainer={args.trainer}, "
+             f"{args.steps} steps of {args.batch}x{args.seq} tokens, overrides {args.overrides or 'none'}.", "",
+             f"| backend | steps | max abs loss diff vs {backends[0]} | mean abs diff | final train loss "
+             f"| median step ms (steps > {args.skip}) | speed-up vs {backends[0]} |",
+             "|---|---|---|---|---|---|---|"]
+    for b in backends:
+        loss, ms = results[b]
+        common = sorted(set(loss) & set(ref_loss))
+        diffs = [abs(loss[s] - ref_loss[s]) for s in common]
+        lines.append(f"| {b} | {len(common)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
+                     f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x |")
+    curve = ["", "| step | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for s in sorted(set(sorted(ref_loss)[:: max(1, args.steps // 10)]) | {max(ref_loss)}):
+        curve.append(f"| {s} | " + " | ".join(f"{results[b][0].get(s, float('nan')):.4f}" for b in backends) + " |")
+    text = "\n".join(lines + curve) + "\n"
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
