@@ -70,7 +70,7 @@ def _bwd_state(
         tl.store(dh0 + i_bh * K * V + hoff, dh, mask=hmask)
 
 
-@tuned((8, 1), (4, 1), (8, 2))
+@tuned((8, 1), (4, 1))
 @triton.jit
 def _bwd_local_v(
     q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale: tl.constexpr,
@@ -251,7 +251,7 @@ def _bwd_diag(
         tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
 
 
-@tuned((8, 1), (4, 1), (8, 2))
+@tuned((8, 1), (4, 1))
 @triton.jit
 def _bwd_local_k(
     q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,

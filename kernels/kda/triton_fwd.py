@@ -35,13 +35,13 @@ BC = 16  # sub-block size
 
 
 def tuned(*warps_stages: tuple[int, int]):
-    """Autotune a kernel over (num_warps, num_stages) pairs, once per (T, K) on the GPU (configs that
-    run out of shared memory are skipped by Triton); under TRITON_INTERPRET=1 only the first runs.
+    """Autotune a kernel over (num_warps, num_stages) pairs, once per head dim K on the GPU (configs
+    that run out of shared memory are skipped by Triton); under TRITON_INTERPRET=1 only the first runs.
     Only for kernels that never read what they write (the tuner launches them several times)."""
     configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
     if os.environ.get("TRITON_INTERPRET") == "1":
         configs = configs[:1]
-    return triton.autotune(configs=configs, key=["T", "K"])
+    return triton.autotune(configs=configs, key=["K"])
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def _decayed_rows(
     return A, P
 
 
-@tuned((4, 1), (8, 1), (4, 2), (8, 2))
+@tuned((4, 1), (8, 1))
 @triton.jit
 def _intra(
     q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -233,7 +233,7 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-@tuned((4, 1), (8, 1), (4, 2))
+@tuned((4, 1), (8, 1))
 @triton.jit
 def _wy(
     k, v, beta, G, At, Tinv, U, W, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -320,7 +320,7 @@ def _wy(
         _store_rows(u_ptr + iv * BV, 3, T_local, stride_v, nv, u3, BCC, BV)
 
 
-@tuned((4, 2), (4, 1), (4, 3), (8, 2))
+@tuned((4, 2), (4, 3), (8, 2))
 @triton.jit
 def _state(
     k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -363,7 +363,7 @@ def _state(
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
 
 
-@tuned((4, 2), (8, 2), (4, 3), (8, 1))
+@tuned((4, 2), (8, 2))
 @triton.jit
 def _output(
     q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

@@ -1,0 +1,177 @@
+"""Fused Triton kernels for one AttnRes op (Attention Residuals, arXiv:2603.15031 eq. 2-3).
+
+    d_i = q . v_i,   logit_i = d_i r_i,   alpha = softmax_i(logit),   h = sum_i alpha_i v_i
+
+with S sources v_i [B, T, D] (bf16, fp16 or fp32, possibly mixed), r_i = 1/rms(v_i) [B, T, 1] fp32 and
+q [D] = pseudo-query * RMSNorm weight. Same math as ``k3lab.model.attnres._DepthSoftmaxMix``; its
+docstring lists the gradients.
+
+The sources stay separate tensors: they reach the kernels as a tuple of pointers (S is a compile-time
+constant, the source loop is unrolled), so nothing is stacked. One program owns BT token rows and the
+whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
+- forward ``_mix_fwd``: one read of each source, with an online softmax (running max m, running sum l,
+  h rescaled as in flash attention), one write of h; alpha [S, B, T] fp32 is written at the end.
+- backward ``_mix_bwd``: one read of g_h and of each source (giving g_alpha_i = <g_h, v_i> and d_i),
+  then g_v_i = alpha_i g_h + g_logit_i r_i q written without reading v_i again. g_q = sum_i v_i^T
+  (g_logit_i r_i) is accumulated in the same single read as sum_i a_i r_i (g_alpha_i v_i) -
+  c sum_i a_i r_i v_i (c = sum_j alpha_j g_alpha_j, known only after all sources), per program over a
+  grid-stride loop of row blocks, and the per-program partial sums [n_programs, D] are added in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
+MAX_D = 8192
+TILE = 2048  # elements of one [BT, BD] tile: BT = TILE // BD rows per program (at least 1), 8 per thread
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _mix_fwd(vs, rs, q, h, alpha, N, D, S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr,
+             BD: tl.constexpr):
+    """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D], alpha [S, N] fp32."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    src = tl.arange(0, SP)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols[None, :] < D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    qv = tl.load(q + cols, mask=cols < D, other=0.0)
+    logits = tl.zeros([BT, SP], tl.float32)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    l = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BD], tl.float32)
+    for i in tl.static_range(S):
+        v = tl.load(vs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        logit = tl.sum(v * qv[None, :], axis=1) * tl.load(rs[i] + rows, mask=rmask, other=0.0)
+        m_new = tl.maximum(m, logit)
+        c = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        acc = acc * c[:, None] + p[:, None] * v
+        l = l * c + p
+        m = m_new
+        logits = tl.where(src[None, :] == i, logit[:, None], logits)
+    tl.store(h + offs, (acc / l[:, None]).to(h.dtype.element_ty), mask=mask)
+    a = tl.exp(logits - m[:, None]) / l[:, None]
+    tl.store(alpha + src[None, :] * N + rows[:, None], a, mask=rmask[:, None] & (src[None, :] < S))
+
+
+@triton.jit
+def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, g_q, N, D, S: tl.constexpr, SP: tl.constexpr,
+             BT: tl.constexpr, BD: tl.constexpr):
+    """vs, rs, g_vs: S pointers to v_i [N, D], r_i [N], g_v_i [N, D]; q [D] fp32; alpha [S, N] fp32;
+    g_h [N, D] -> g_vs, g_r [S, N] fp32 and g_q [n_programs, D] fp32 (this program's partial sum)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    src = tl.arange(0, SP)
+    cmask = cols < D
+    qv = tl.load(q + cols, mask=cmask, other=0.0)
+    gq = tl.zeros([BD], tl.float32)
+    for blk in range(pid, tl.cdiv(N, BT), tl.num_programs(0)):
+        rows = blk * BT + tl.arange(0, BT)
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        smask = rmask[:, None] & (src[None, :] < S)
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
+        al = tl.load(alpha + src[None, :] * N + rows[:, None], mask=smask, other=0.0)  # [BT, SP]
+        r = tl.zeros([BT, SP], tl.float32)
+        dots = tl.zeros([BT, SP], tl.float32)
+        g_al = tl.zeros([BT, SP], tl.float32)
+        av = tl.zeros([BT, BD], tl.float32)   # sum_i alpha_i r_i v_i
+        agv = tl.zeros([BT, BD], tl.float32)  # sum_i alpha_i r_i g_alpha_i v_i
+        for i in tl.static_range(S):
+            sel = src[None, :] == i
+            v = tl.load(vs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            r_i = tl.load(rs[i] + rows, mask=rmask, other=0.0)
+            g_a = tl.sum(gh * v, axis=1)
+            r = tl.where(sel, r_i[:, None], r)
+            dots = tl.where(sel, tl.sum(v * qv[None, :], axis=1)[:, None], dots)
+            g_al = tl.where(sel, g_a[:, None], g_al)
+            arv = (tl.sum(tl.where(sel, al, 0.0), axis=1) * r_i)[:, None] * v
+            av += arv
+            agv += g_a[:, None] * arv
+        c = tl.sum(al * g_al, axis=1)
+        g_logit = al * (g_al - c[:, None])                                           # [BT, SP]
+        tl.store(g_r + src[None, :] * N + rows[:, None], g_logit * dots, mask=smask)
+        if S > 1:  # g_q = 0 exactly for one source (a rounding residue here would move q under Adam)
+            gq += tl.sum(agv - c[:, None] * av, axis=0)
+        g_dot = g_logit * r
+        for i in tl.static_range(S):
+            sel = src[None, :] == i
+            a_i = tl.sum(tl.where(sel, al, 0.0), axis=1)
+            gd_i = tl.sum(tl.where(sel, g_dot, 0.0), axis=1)
+            g_v = a_i[:, None] * gh + gd_i[:, None] * qv[None, :]
+            tl.store(g_vs[i] + offs, g_v.to(g_vs[i].dtype.element_ty), mask=mask)
+    tl.store(g_q + pid * D + cols, gq, mask=cmask)
+
+
+def _blocks(D: int) -> tuple[int, int, int]:
+    """(BD, BT, num_warps) for width D."""
+    BD = triton.next_power_of_2(D)
+    BT = max(1, TILE // BD)
+    return BD, BT, min(32, BD * BT // 256)
+
+
+def supported(values, inv_rms, query) -> bool:
+    """Whether the kernels take this op: 1..MAX_SOURCES sources of one shape [B, T, D], D <= MAX_D, on one
+    device, in bf16/fp16/fp32, inv_rms fp32."""
+    v0 = values[0]
+    return (0 < len(values) <= MAX_SOURCES and v0.dim() == 3 and v0.shape[-1] <= MAX_D
+            and all(v.shape == v0.shape and v.dtype in DTYPES and v.device == v0.device for v in values)
+            and all(r.dtype == torch.float32 and r.numel() == v0.numel() // v0.shape[-1] for r in inv_rms)
+            and query.shape == v0.shape[-1:])
+
+
+class AttnResMixTriton(torch.autograd.Function):
+    """h, alpha = the AttnRes op (module docstring); only the inputs and alpha are saved for backward."""
+
+    @staticmethod
+    def forward(ctx, query, n, *tensors):
+        values = [v.contiguous() for v in tensors[:n]]
+        scales = [r.contiguous() for r in tensors[n:]]
+        B, T, D = values[0].shape
+        N = B * T
+        out_dtype = values[0].dtype
+        for v in values[1:]:
+            out_dtype = torch.promote_types(out_dtype, v.dtype)
+        q = query.detach().float().contiguous()
+        h = values[0].new_empty(B, T, D, dtype=out_dtype)
+        alpha = values[0].new_empty(n, B, T, dtype=torch.float32)
+        BD, BT, warps = _blocks(D)
+        _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(scales), q, h, alpha, N, D, S=n,
+                                         SP=triton.next_power_of_2(n), BT=BT, BD=BD, num_warps=warps)
+        ctx.n, ctx.query_dtype = n, query.dtype
+        ctx.save_for_backward(q, alpha, *values, *scales)
+        ctx.mark_non_differentiable(alpha)
+        return h, alpha
+
+    @staticmethod
+    def backward(ctx, g_h, _g_alpha):
+        q, alpha, *tensors = ctx.saved_tensors
+        n = ctx.n
+        values, scales = tensors[:n], tensors[n:]
+        B, T, D = values[0].shape
+        N = B * T
+        BD, BT, warps = _blocks(D)
+        device = values[0].device
+        # grid-stride loop over row blocks: a few programs per SM keep the g_q partial sums small
+        per_device = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        n_prog = min(triton.cdiv(N, BT), per_device)
+        g_values = [torch.empty_like(v) for v in values]
+        g_r = alpha.new_empty(n, B, T)
+        g_q = q.new_empty(n_prog, D)
+        _mix_bwd[(n_prog,)](tuple(values), tuple(scales), tuple(g_values), q, alpha, g_h.contiguous(), g_r,
+                            g_q, N, D, S=n, SP=triton.next_power_of_2(n), BT=BT, BD=BD, num_warps=warps)
+        g_scales = [g.view(r.shape) for g, r in zip(g_r, scales)]
+        return (g_q.sum(0).to(ctx.query_dtype), None, *g_values, *g_scales)
+
+
+@torch.compiler.disable  # dynamo does not trace the launches: one graph break per op under torch.compile
+def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor):
+    """values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D] (dtype promoted over the
+    values), alpha [S, B, T] fp32 (not differentiable). Check `supported` first."""
+    return AttnResMixTriton.apply(query, len(values), *values, *inv_rms)
