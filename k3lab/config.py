@@ -70,6 +70,7 @@ class BalanceConfig:
     gamma: float = 1e-3          # sign: bias step
     aux_coef: float = 1e-2       # aux: loss coefficient
     hist_bins: int = 0           # qb: 0 = exact quantile; >0 = histogram estimator with that many bins
+    iters: int = 1               # qb: fixed-point updates per step on the step's scores (1 = K3's rule)
 
 
 @dataclass

@@ -69,6 +69,33 @@ def test_qb_repeated_update_balances(m, n, k, spread):
 
 
 @pytest.mark.parametrize("m,n,k", [(4096, 32, 8), (3000, 256, 8), (999, 8, 2)])
+def test_qb_iters_moves_the_bias_to_the_batch_fixed_point(m, n, k):
+    """iters=j is j single updates on the step's scores (each with the cutoffs of the previous bias);
+    one update leaves the batch itself unbalanced (its cutoffs move with the bias), 20 nearly balance it."""
+    s = skewed_scores(m, n, seed=5)
+    bias = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(6))
+
+    def one_call(iters: int, b: torch.Tensor) -> torch.Tensor:
+        qb = QuantileBalance(n, k, iters=iters)
+        for part in torch.split(torch.arange(m), 700):   # micro-batches pool as one batch
+            qb.observe(route(s[part], b, k), b)
+        return qb.update(b)
+
+    b = bias
+    for _ in range(3):
+        b = one_call(1, b)
+    torch.testing.assert_close(one_call(3, bias), b, rtol=0, atol=1e-6)
+    vio = {j: max_violation(expert_load(route(s, one_call(j, bias), k).idx, n)) for j in (1, 8, 20)}
+    assert vio[8] < 0.5 * vio[1] and vio[20] < 0.05 < vio[1], vio
+    # each iterate is still the exact quantile of the margins under the previous one's cutoffs
+    prev = one_call(19, bias)
+    torch.testing.assert_close(one_call(20, bias), qb_raw_bias(s, prev, k) - qb_raw_bias(s, prev, k).mean(),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="iters"):
+        QuantileBalance(n, k, bins=64, iters=2)
+
+
+@pytest.mark.parametrize("m,n,k", [(4096, 32, 8), (3000, 256, 8), (999, 8, 2)])
 def test_qb_histogram_matches_exact(m, n, k):
     s = skewed_scores(m, n, seed=3)
     b = 0.2 * torch.randn(n, generator=torch.Generator().manual_seed(4))

@@ -14,6 +14,8 @@ qb    Quantile Balancing (K3 eqs. 13-14). alpha_i = the (k+1)-th largest biased 
       margins r_ij = s_ij - alpha_i (expert j is chosen by token i iff r_ij > -b_j);
       b_j <- -quantile_{1-k/n}(r_{:,j}) over all tokens of the step, then b <- b - mean(b).
       Exact (k-th order statistic) or from a histogram with B bins whose counts are all-reduced.
+      iters > 1 (exact only) repeats the update on the step's scores, the cutoffs recomputed under
+      each new bias, towards the bias that balances that batch exactly; 1 is K3's rule.
 sign  b_j <- b_j + gamma * sign(mean_load - load_j)  (Wang et al. arXiv:2408.15664; DeepSeek-V3).
 aux   Switch-style load loss: coef * n * sum_j f_j P_j, f_j = share of the k*m assignments routed to
       j, P_j = mean_i s_ij / sum_j' s_ij' (Switch Transformer arXiv:2101.03961 with sigmoid scores
@@ -188,27 +190,30 @@ def centre(bias: torch.Tensor) -> torch.Tensor:
 
 
 class QuantileBalance:
-    """b_j <- -quantile_{1-k/n}(s_:j - alpha), mean-centred (K3 eqs. 13-14); exact or histogram (bins > 0)."""
+    """b_j <- -quantile_{1-k/n}(s_:j - alpha), mean-centred (K3 eqs. 13-14); exact or histogram (bins > 0).
+    iters: updates per step on the step's scores, each with the cutoffs of the previous one's bias."""
 
-    def __init__(self, n: int, k: int, bins: int = 0):
-        self.n, self.k, self.bins = n, k, bins
+    def __init__(self, n: int, k: int, bins: int = 0, iters: int = 1):
+        if iters < 1 or (bins and iters > 1):
+            raise ValueError(f"balance.iters={iters} must be >= 1, and 1 with hist_bins > 0 (the histogram "
+                             f"keeps no scores to recompute the cutoffs from)")
+        self.n, self.k, self.bins, self.iters = n, k, bins, iters
         self.reset()
 
     def reset(self) -> None:
-        self.margins: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
         self.counts: torch.Tensor | None = None
         self.range: tuple[float, float] | None = None
         self.m = 0
 
     def observe(self, routing: Routing, bias: torch.Tensor) -> None:
-        margins = qb_margins(routing)
-        self.m += margins.shape[0]
+        self.m += routing.scores.shape[0]
         if self.bins == 0:
-            self.margins.append(margins)
+            self.scores.append(routing.scores.detach())
             return
         if self.range is None:
             self.range = qb_hist_range(bias)
-        h = qb_histogram(margins, *self.range, self.bins)
+        h = qb_histogram(qb_margins(routing), *self.range, self.bins)
         self.counts = h if self.counts is None else self.counts + h
 
     def update(self, bias: torch.Tensor) -> torch.Tensor | None:
@@ -217,15 +222,18 @@ class QuantileBalance:
         if m == 0:
             return None
         if self.bins == 0:
-            local = torch.cat(self.margins) if self.margins else torch.empty(0, self.n, device=device)
+            local = torch.cat(self.scores) if self.scores else torch.empty(0, self.n, device=device)
             pooled = all_gather_rows(local.float(), pad_value=-math.inf)
-            q = qb_quantile_exact(pooled, self.k, m)
-        else:
-            counts = self.counts
-            if counts is None:  # this rank saw no tokens; join the all-reduce with zeros
-                counts = torch.zeros(self.n, self.bins, dtype=torch.float64, device=device)
-                self.range = qb_hist_range(bias)
-            q = qb_quantile_hist(all_reduce_sum(counts), *self.range, self.k, m)
+            pooled = pooled[pooled[:, 0] > -math.inf]   # drop the padding rows of shorter ranks
+            b = bias.float()
+            for _ in range(self.iters):
+                b = centre(-qb_quantile_exact(qb_margins(route(pooled, b, self.k)), self.k))
+            return b.to(bias.dtype)
+        counts = self.counts
+        if counts is None:  # this rank saw no tokens; join the all-reduce with zeros
+            counts = torch.zeros(self.n, self.bins, dtype=torch.float64, device=device)
+            self.range = qb_hist_range(bias)
+        q = qb_quantile_hist(all_reduce_sum(counts), *self.range, self.k, m)
         return centre(-q.to(bias.dtype))
 
     def loss(self, routing: Routing) -> torch.Tensor | None:
@@ -299,7 +307,7 @@ class NoBalance(AuxLossBalance):
 
 def build_balancer(cfg: BalanceConfig, n: int, k: int):
     if cfg.name == "qb":
-        return QuantileBalance(n, k, cfg.hist_bins)
+        return QuantileBalance(n, k, cfg.hist_bins, cfg.iters)
     if cfg.name == "sign":
         return SignBalance(n, cfg.gamma)
     if cfg.name == "aux":
