@@ -13,10 +13,12 @@ Measured per variant:
                forward (parameters excluded), counted with saved_tensors_hooks; works on any device
   peak MB      CUDA only: peak allocated during forward+backward minus what was allocated before it
   cpu ms/step  CPU only: process CPU time per step (steadier than wall time on a shared machine)
-and the overhead of each against `standard`. `--impl-variants` adds three alternative AttnRes mixes for
-comparison: `autograd` (the op in plain autograd ops, no hand-written backward), `nocache` (1/rms of
-every source recomputed by every op) and `stack` (torch.stack of the sources + RMSNorm + einsum, as in
-the paper's pseudocode). A second table times the residual alone (the seam
+and the overhead of each against `standard`. On CUDA the AttnRes mix runs as the fused Triton kernels
+(kernels/attnres.py) wherever they apply. `--impl-variants` adds four alternative AttnRes mixes for
+comparison: `torch` (the hand-written torch autograd.Function, the CPU path, also on CUDA), `autograd`
+(the op in plain autograd ops, no hand-written backward), `nocache` (1/rms of every source recomputed by
+every op) and `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode).
+Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`. A second table times the residual alone (the seam
 driven by cheap elementwise sublayers), where the cost of the mix is not hidden by the layers.
 """
 from __future__ import annotations
@@ -105,6 +107,16 @@ class StackedMix(attnres.AttnResidual):
         return torch.einsum("sbt,sbtd->btd", alpha.to(V.dtype), V)
 
 
+class TorchMix(attnres.AttnResidual):
+    """Like AttnResidual, but the mix always in torch ops (`_DepthSoftmaxMix`), never the Triton kernels."""
+
+    def _mix(self, state, op):
+        values = state.sources + ([state.partial] if state.partial is not None else [])
+        scales = state.inv_rms + ([attnres.inv_rms(state.partial, self.eps)] if state.partial is not None else [])
+        h, _ = attnres.depth_softmax_mix(values, scales, self.queries[op] * self.norms[op].weight, impl="torch")
+        return h
+
+
 class NoCacheMix(attnres.AttnResidual):
     """Like AttnResidual, but every op recomputes 1/rms of every source."""
 
@@ -125,7 +137,7 @@ class AutogradMix(attnres.AttnResidual):
         return h
 
 
-IMPLS = {"stack": StackedMix, "nocache": NoCacheMix, "autograd": AutogradMix}
+IMPLS = {"torch": TorchMix, "stack": StackedMix, "nocache": NoCacheMix, "autograd": AutogradMix}
 
 
 def build_model(kind: str, cfg: ModelConfig) -> nn.Module:
@@ -315,7 +327,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5 CPU, 20 CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (default 1 CPU, 3 CUDA)")
     p.add_argument("--variants", default="standard,block_attnres,full_attnres")
-    p.add_argument("--impl-variants", action="store_true", help="also time block_attnres[autograd|nocache|stack]")
+    p.add_argument("--impl-variants", action="store_true", help="also time block_attnres[torch|autograd|nocache|stack]")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default 1: on a shared machine, multi-threaded tiny ops time erratically)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model (as train.compile=true)")
@@ -340,7 +352,7 @@ def main(argv=None):
                        residual=ResidualConfig(name="standard", block_size=args.block_size))
     variants = args.variants.split(",")
     if args.impl_variants:
-        variants += ["block_attnres[autograd]", "block_attnres[nocache]", "block_attnres[stack]"]
+        variants += [f"block_attnres[{impl}]" for impl in IMPLS]
     torch.manual_seed(0)
     reference = build_model(args.model, copy.deepcopy(base))
     kind = "standin" if isinstance(reference, StandInLM) else "k3"

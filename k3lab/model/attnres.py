@@ -24,7 +24,8 @@ finished and reused by every later op (the tensor normalised RMSNorm(v) is never
 a Python list, and the op is one autograd.Function with a written-out backward that keeps only
 references to the sources (alive anyway), alpha and the raw scores [S, B, T], never a stacked
 [S, B, T, D] copy per op. The softmax over depth runs in fp32; the mix accumulates in fp32 and returns
-the sources' promoted dtype. Measurements: docs/attnres.md, benchmarks/attnres_bench.py.
+the sources' promoted dtype. On CUDA the same op runs as fused Triton kernels (kernels/attnres.py: one
+read of each source forward, one backward). Measurements: docs/attnres.md, benchmarks/attnres_bench.py.
 """
 from __future__ import annotations
 
@@ -123,13 +124,26 @@ class _DepthSoftmaxMix(torch.autograd.Function):
 
 
 def depth_softmax_mix(
-    values: list[torch.Tensor], inv_rms_: list[torch.Tensor], query: torch.Tensor
+    values: list[torch.Tensor], inv_rms_: list[torch.Tensor], query: torch.Tensor, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One AttnRes op (paper eq. 2-3): h = sum_i softmax_i((w*g) . v_i / rms(v_i)) v_i.
 
     Same arguments and results as `depth_softmax_mix_autograd` (values S x [B, T, D], inv_rms_ S x [B, T, 1],
-    query [D] -> h [B, T, D], alpha [S, B, T]), computed by `_DepthSoftmaxMix`.
+    query [D] -> h [B, T, D], alpha [S, B, T]). impl: "torch" = `_DepthSoftmaxMix`; "triton" = the fused
+    kernels of kernels/attnres.py (on CPU only under TRITON_INTERPRET=1); "auto" = triton for CUDA
+    values the kernels support (`kernels.attnres.supported`: few enough sources, D small enough,
+    bf16/fp16/fp32), torch otherwise.
     """
+    if impl == "triton" or (impl == "auto" and values[0].is_cuda):
+        from kernels import attnres as fused
+
+        if fused.supported(values, inv_rms_, query):
+            return fused.attnres_mix_triton(values, inv_rms_, query)
+        if impl == "triton":
+            raise ValueError(f"the Triton AttnRes mix needs 1-{fused.MAX_SOURCES} sources of one shape "
+                             f"[B, T, D <= {fused.MAX_D}] on one device, bf16/fp16/fp32 values, fp32 inv_rms")
+    elif impl not in ("auto", "torch"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     return _DepthSoftmaxMix.apply(query, len(values), *values, *inv_rms_)
 
 

@@ -1,0 +1,156 @@
+"""Fused Triton AttnRes mix (kernels/attnres.py) against the float64 autograd reference
+(`depth_softmax_mix_autograd`, arXiv:2603.15031 eq. 2-3): h, alpha and the gradients of the values,
+inv_rms and query.
+
+CPU: the kernels run under TRITON_INTERPRET=1 in one fresh subprocess (this file run as a script; Triton
+reads the variable when first imported) and the tests assert on the relative errors it reports.
+CUDA (``pytest -m gpu``): bf16 and fp32 at the benchmark's width, and under torch.compile.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3lab.model.attnres import _DepthSoftmaxMix, depth_softmax_mix, depth_softmax_mix_autograd, inv_rms
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = ["h", "alpha", "g_values", "g_inv_rms", "g_query"]
+LIMIT = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error of a result, by its dtype
+
+# name: (B, T, D, value dtypes). D = 96 pads to 128 (16 rows per program), B*T = 74 leaves a ragged
+# block and gives the 2 backward programs of the interpreter several blocks each.
+CASES = {
+    "S1": (2, 37, 96, ["fp32"]),
+    "S2": (2, 37, 96, ["fp32"] * 2),
+    "S5": (2, 37, 96, ["fp32"] * 5),
+    "S3_fp32_embedding_bf16_blocks": (1, 9, 40, ["fp32", "bf16", "bf16"]),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(B, T, D, dtypes, device="cpu", seed=0):
+    """values (each its own scale, rounded to its dtype), their 1/rms (fp32), query [D] fp32 and the
+    cotangent g_h of h, in h's dtype (the dtype promoted over the values) so that the reference sees it exactly."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    values = [(torch.randn(B, T, D, generator=gen, device=device) * (1 + i)).to(DTYPES[d])
+              for i, d in enumerate(dtypes)]
+    scales = [inv_rms(v, 1e-6) for v in values]
+    query = torch.randn(D, generator=gen, device=device) * 0.5
+    g_h = torch.randn(B, T, D, generator=gen, device=device).to(torch.float32 if "fp32" in dtypes else torch.bfloat16)
+    return values, scales, query, g_h
+
+
+def results_and_grads(fn, values, scales, query, g_h, dtype=None):
+    """[h, alpha, g_values (cat), g_inv_rms (cat), g_query]; dtype casts every input first (the reference)."""
+    cast = (lambda x: x.to(dtype)) if dtype else (lambda x: x)
+    vs = [cast(v).detach().requires_grad_() for v in values]
+    rs = [cast(r).detach().requires_grad_() for r in scales]
+    q = cast(query).detach().requires_grad_()
+    h, alpha = fn(vs, rs, q)
+    grads = torch.autograd.grad((h * g_h.to(h.dtype)).sum(), vs + rs + [q])
+    n = len(vs)
+    return [h, alpha, grads[:n], grads[n:2 * n], grads[-1]]
+
+
+def errors(got, ref) -> dict:
+    """name -> [(relative error, dtype name)], one entry per tensor."""
+    out = {}
+    for name, a, b in zip(NAMES, got, ref):
+        pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
+        out[name] = [(((x.double() - y).norm() / y.norm().clamp_min(1e-30)).item(), str(x.dtype)) for x, y in pairs]
+    return out
+
+
+def _run_checks() -> dict:
+    out = {}
+    for name, (B, T, D, dtypes) in CASES.items():
+        inputs = make_inputs(B, T, D, dtypes)
+        got = results_and_grads(lambda v, r, q: depth_softmax_mix(v, r, q, impl="triton"), *inputs)
+        ref = results_and_grads(depth_softmax_mix_autograd, *inputs, dtype=torch.float64)
+        out[name] = errors(got, ref)
+    return out
+
+
+def assert_close(errs: dict):
+    bad = {n: e for n, es in errs.items() for e, dt in es if not e < LIMIT[getattr(torch, dt.split(".")[1])]}
+    assert not bad, errs
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreter_matches_float64_reference(results, case):
+    """h, alpha and every gradient within 1e-4 (fp32 results) or 1e-2 (bf16 results), relative."""
+    assert_close(results[case])
+
+
+def test_dispatch():
+    """CPU values take the torch Function under impl="auto"; what the kernels cannot take is refused
+    under impl="triton" (fp64 values, more than MAX_SOURCES sources) before any launch."""
+    from kernels.attnres import MAX_SOURCES
+
+    values, scales, query, _ = make_inputs(1, 3, 8, ["fp32"] * 2)
+    h, alpha = depth_softmax_mix(values, scales, query)
+    h_ref, alpha_ref = _DepthSoftmaxMix.apply(query, 2, *values, *scales)
+    assert torch.equal(h, h_ref) and torch.equal(alpha, alpha_ref)
+    with pytest.raises(ValueError, match="Triton AttnRes mix"):
+        depth_softmax_mix([v.double() for v in values], [r.double() for r in scales], query.double(), impl="triton")
+    with pytest.raises(ValueError, match="Triton AttnRes mix"):
+        depth_softmax_mix(values * MAX_SOURCES, scales * MAX_SOURCES, query, impl="triton")
+    with pytest.raises(ValueError, match="impl must be"):
+        depth_softmax_mix(values, scales, query, impl="cuda")
+
+
+# --- CUDA ------------------------------------------------------------------------------------------
+GPU_CASES = {
+    "bf16_S1_D1024": (2, 300, 1024, ["bf16"]),
+    "bf16_S2_D1024": (2, 300, 1024, ["bf16"] * 2),
+    "bf16_S5_D1024": (2, 300, 1024, ["bf16"] * 5),
+    "bf16_S10_D1024_fp32_embedding": (2, 300, 1024, ["fp32"] + ["bf16"] * 9),
+    "bf16_S16_D8192": (1, 77, 8192, ["bf16"] * 16),
+    "fp32_S5_D96": (2, 37, 96, ["fp32"] * 5),
+    "fp32_S3_D4000": (1, 50, 4000, ["fp32"] * 3),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_cuda_matches_float64_reference(case):
+    B, T, D, dtypes = GPU_CASES[case]
+    inputs = make_inputs(B, T, D, dtypes, device="cuda")
+    got = results_and_grads(depth_softmax_mix, *inputs)  # impl="auto": triton on CUDA
+    ref = results_and_grads(depth_softmax_mix_autograd, *inputs, dtype=torch.float64)
+    assert_close(errors(got, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_under_torch_compile():
+    """A compiled seam around the mix (one graph break at the kernel launch) gives the eager results."""
+    inputs = make_inputs(2, 64, 256, ["fp32"] + ["bf16"] * 3, device="cuda")
+
+    def fn(v, r, q):
+        h, alpha = depth_softmax_mix([x * 1.5 for x in v], r, q * 2)
+        return h.float().square(), alpha
+
+    eager = results_and_grads(fn, *inputs)
+    compiled = results_and_grads(torch.compile(fn), *inputs)
+    for name, a, b in zip(NAMES, compiled, eager):
+        for x, y in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+            torch.testing.assert_close(x, y, msg=name)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_checks()))
