@@ -18,8 +18,9 @@ and the overhead of each against `standard`. On CUDA the AttnRes mix runs as the
 comparison: `torch` (the hand-written torch autograd.Function, the CPU path, also on CUDA), `autograd`
 (the op in plain autograd ops, no hand-written backward), `nocache` (1/rms of every source recomputed by
 every op) and `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode).
-Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`. A second table times the residual alone (the seam
-driven by cheap elementwise sublayers), where the cost of the mix is not hidden by the layers.
+Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`.
+A second table times the residual alone (the seam driven by cheap elementwise sublayers), where the cost
+of the mix is not hidden by the layers.
 """
 from __future__ import annotations
 

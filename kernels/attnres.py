@@ -16,6 +16,8 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
   (g_logit_i r_i) is accumulated in the same single read as sum_i a_i r_i (g_alpha_i v_i) -
   c sum_i a_i r_i v_i (c = sum_j alpha_j g_alpha_j, known only after all sources), per program over a
   grid-stride loop of row blocks, and the per-program partial sums [n_programs, D] are added in torch.
+The op and its backward are torch custom ops (``k3lab::attnres_mix``, ``k3lab::attnres_mix_backward``), so
+torch.compile keeps them in its graph; nothing is saved for backward but the inputs and alpha.
 """
 from __future__ import annotations
 
@@ -126,52 +128,75 @@ def supported(values, inv_rms, query) -> bool:
             and query.shape == v0.shape[-1:])
 
 
-class AttnResMixTriton(torch.autograd.Function):
-    """h, alpha = the AttnRes op (module docstring); only the inputs and alpha are saved for backward."""
-
-    @staticmethod
-    def forward(ctx, query, n, *tensors):
-        values = [v.contiguous() for v in tensors[:n]]
-        scales = [r.contiguous() for r in tensors[n:]]
-        B, T, D = values[0].shape
-        N = B * T
-        out_dtype = values[0].dtype
-        for v in values[1:]:
-            out_dtype = torch.promote_types(out_dtype, v.dtype)
-        q = query.detach().float().contiguous()
-        h = values[0].new_empty(B, T, D, dtype=out_dtype)
-        alpha = values[0].new_empty(n, B, T, dtype=torch.float32)
-        BD, BT, warps = _blocks(D)
-        _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(scales), q, h, alpha, N, D, S=n,
-                                         SP=triton.next_power_of_2(n), BT=BT, BD=BD, num_warps=warps)
-        ctx.n, ctx.query_dtype = n, query.dtype
-        ctx.save_for_backward(q, alpha, *values, *scales)
-        ctx.mark_non_differentiable(alpha)
-        return h, alpha
-
-    @staticmethod
-    def backward(ctx, g_h, _g_alpha):
-        q, alpha, *tensors = ctx.saved_tensors
-        n = ctx.n
-        values, scales = tensors[:n], tensors[n:]
-        B, T, D = values[0].shape
-        N = B * T
-        BD, BT, warps = _blocks(D)
-        device = values[0].device
-        # grid-stride loop over row blocks: a few programs per SM keep the g_q partial sums small
-        per_device = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        n_prog = min(triton.cdiv(N, BT), per_device)
-        g_values = [torch.empty_like(v) for v in values]
-        g_r = alpha.new_empty(n, B, T)
-        g_q = q.new_empty(n_prog, D)
-        _mix_bwd[(n_prog,)](tuple(values), tuple(scales), tuple(g_values), q, alpha, g_h.contiguous(), g_r,
-                            g_q, N, D, S=n, SP=triton.next_power_of_2(n), BT=BT, BD=BD, num_warps=warps)
-        g_scales = [g.view(r.shape) for g, r in zip(g_r, scales)]
-        return (g_q.sum(0).to(ctx.query_dtype), None, *g_values, *g_scales)
+def _out_dtype(values: list[torch.Tensor]) -> torch.dtype:
+    out = values[0].dtype
+    for v in values[1:]:
+        out = torch.promote_types(out, v.dtype)
+    return out
 
 
-@torch.compiler.disable  # dynamo does not trace the launches: one graph break per op under torch.compile
-def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor):
+@torch.library.custom_op("k3lab::attnres_mix", mutates_args=())
+def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
+                       query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D] (dtype promoted over the
     values), alpha [S, B, T] fp32 (not differentiable). Check `supported` first."""
-    return AttnResMixTriton.apply(query, len(values), *values, *inv_rms)
+    h, alpha = _fake_forward(values, inv_rms, query)
+    values = [v.contiguous() for v in values]
+    B, T, D = values[0].shape
+    N, S = B * T, len(values)
+    BD, BT, warps = _blocks(D)
+    _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(r.contiguous() for r in inv_rms), query.float().contiguous(),
+                                     h, alpha, N, D, S=S, SP=triton.next_power_of_2(S), BT=BT, BD=BD, num_warps=warps)
+    return h, alpha
+
+
+@attnres_mix_triton.register_fake
+def _fake_forward(values, inv_rms, query):
+    """Empty h [B, T, D] and alpha [S, B, T] fp32."""
+    B, T, D = values[0].shape
+    h = values[0].new_empty(B, T, D, dtype=_out_dtype(values))
+    return h, values[0].new_empty(len(values), B, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3lab::attnres_mix_backward", mutates_args=())
+def attnres_mix_backward(
+    values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, alpha: torch.Tensor, g_h: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """-> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32."""
+    values = [v.contiguous() for v in values]
+    B, T, D = values[0].shape
+    N, S = B * T, len(values)
+    BD, BT, warps = _blocks(D)
+    device = values[0].device
+    # grid-stride loop over row blocks: a few programs per SM keep the g_q partial sums small
+    n_prog = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    n_prog = min(triton.cdiv(N, BT), n_prog)
+    g_values = [torch.empty_like(v) for v in values]
+    g_r = torch.empty_like(alpha)
+    g_q = alpha.new_empty(n_prog, D)
+    _mix_bwd[(n_prog,)](tuple(values), tuple(r.contiguous() for r in inv_rms), tuple(g_values),
+                        query.float().contiguous(), alpha, g_h.contiguous(), g_r, g_q, N, D, S=S,
+                        SP=triton.next_power_of_2(S), BT=BT, BD=BD, num_warps=warps)
+    return g_values, g_r, g_q.sum(0)
+
+
+@attnres_mix_backward.register_fake
+def _(values, inv_rms, query, alpha, g_h):
+    return [torch.empty_like(v) for v in values], torch.empty_like(alpha), alpha.new_empty(query.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    values, inv_rms, query = inputs
+    ctx.n = len(values)
+    ctx.save_for_backward(query, output[1], *values, *inv_rms)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, g_h, _g_alpha):
+    query, alpha, *tensors = ctx.saved_tensors
+    values, scales = tensors[:ctx.n], tensors[ctx.n:]
+    g_values, g_r, g_q = attnres_mix_backward(values, scales, query, alpha, g_h)
+    return g_values, [g.view(r.shape) for g, r in zip(g_r, scales)], g_q.to(query.dtype)
+
+
+attnres_mix_triton.register_autograd(_backward, setup_context=_setup_context)
