@@ -16,8 +16,9 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
   (g_logit_i r_i) is accumulated in the same single read as sum_i a_i r_i (g_alpha_i v_i) -
   c sum_i a_i r_i v_i (c = sum_j alpha_j g_alpha_j, known only after all sources), per program over a
   grid-stride loop of row blocks, and the per-program partial sums [n_programs, D] are added in torch.
-The op and its backward are torch custom ops (``k3lab::attnres_mix``, ``k3lab::attnres_mix_backward``), so
-torch.compile keeps them in its graph; nothing is saved for backward but the inputs and alpha.
+Nothing is saved for backward but the inputs and alpha. Eager calls go through an autograd.Function; under
+torch.compile the op and its backward are the custom ops ``k3lab::attnres_mix`` and
+``k3lab::attnres_mix_backward``, which stay whole in the graph (no graph break).
 """
 from __future__ import annotations
 
@@ -135,12 +136,11 @@ def _out_dtype(values: list[torch.Tensor]) -> torch.dtype:
     return out
 
 
-@torch.library.custom_op("k3lab::attnres_mix", mutates_args=())
-def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
-                       query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D] (dtype promoted over the
-    values), alpha [S, B, T] fp32 (not differentiable). Check `supported` first."""
-    h, alpha = _fake_forward(values, inv_rms, query)
+def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
+                query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
+    (dtype promoted over the values), alpha [S, B, T] fp32."""
+    h, alpha = _empty_forward(values, inv_rms, query)
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
@@ -150,19 +150,16 @@ def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
     return h, alpha
 
 
-@attnres_mix_triton.register_fake
-def _fake_forward(values, inv_rms, query):
-    """Empty h [B, T, D] and alpha [S, B, T] fp32."""
+def _empty_forward(values, inv_rms, query):
     B, T, D = values[0].shape
     h = values[0].new_empty(B, T, D, dtype=_out_dtype(values))
     return h, values[0].new_empty(len(values), B, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("k3lab::attnres_mix_backward", mutates_args=())
-def attnres_mix_backward(
+def mix_backward(
     values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, alpha: torch.Tensor, g_h: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """-> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32."""
+    """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32."""
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
@@ -180,23 +177,49 @@ def attnres_mix_backward(
     return g_values, g_r, g_q.sum(0)
 
 
-@attnres_mix_backward.register_fake
-def _(values, inv_rms, query, alpha, g_h):
-    return [torch.empty_like(v) for v in values], torch.empty_like(alpha), alpha.new_empty(query.shape[0])
-
-
-def _setup_context(ctx, inputs, output):
-    values, inv_rms, query = inputs
+def _save(ctx, values, inv_rms, query, alpha):
     ctx.n = len(values)
-    ctx.save_for_backward(query, output[1], *values, *inv_rms)
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(query, alpha, *values, *inv_rms)
+    ctx.mark_non_differentiable(alpha)
 
 
-def _backward(ctx, g_h, _g_alpha):
+def _grads(ctx, g_h, backward):
+    """(g_values, g_inv_rms, g_query) from the tensors `_save` kept, via `backward` (a `mix_backward`)."""
     query, alpha, *tensors = ctx.saved_tensors
     values, scales = tensors[:ctx.n], tensors[ctx.n:]
-    g_values, g_r, g_q = attnres_mix_backward(values, scales, query, alpha, g_h)
+    g_values, g_r, g_q = backward(values, scales, query, alpha, g_h)
     return g_values, [g.view(r.shape) for g, r in zip(g_r, scales)], g_q.to(query.dtype)
 
 
-attnres_mix_triton.register_autograd(_backward, setup_context=_setup_context)
+class _EagerMix(torch.autograd.Function):
+    """The op in eager mode: about half the per-call CPU cost of going through the custom ops."""
+
+    @staticmethod
+    def forward(ctx, query, n, *tensors):
+        values, scales = list(tensors[:n]), list(tensors[n:])
+        h, alpha = mix_forward(values, scales, query)
+        _save(ctx, values, scales, query, alpha)
+        return h, alpha
+
+    @staticmethod
+    def backward(ctx, g_h, _g_alpha):
+        g_values, g_scales, g_q = _grads(ctx, g_h, mix_backward)
+        return g_q, None, *g_values, *g_scales
+
+
+# Under torch.compile the op and its backward are custom ops, kept whole in the graph (no graph break).
+mix_op = torch.library.custom_op("k3lab::attnres_mix", mix_forward, mutates_args=())
+mix_op.register_fake(_empty_forward)
+mix_backward_op = torch.library.custom_op("k3lab::attnres_mix_backward", mix_backward, mutates_args=())
+mix_backward_op.register_fake(lambda values, inv_rms, query, alpha, g_h: (
+    [torch.empty_like(v) for v in values], torch.empty_like(alpha), alpha.new_empty(query.shape[0])))
+mix_op.register_autograd(lambda ctx, g_h, _g_alpha: _grads(ctx, g_h, mix_backward_op),
+                         setup_context=lambda ctx, inputs, output: _save(ctx, *inputs, output[1]))
+
+
+def attnres_mix_triton(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor):
+    """values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D] (dtype promoted over the
+    values), alpha [S, B, T] fp32 (not differentiable). Check `supported` first."""
+    if torch.compiler.is_compiling():
+        return mix_op(values, inv_rms, query)
+    return _EagerMix.apply(query, len(values), *values, *inv_rms)

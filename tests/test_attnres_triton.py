@@ -84,7 +84,7 @@ def compile_mismatches(inputs) -> list[str]:
 
 
 def _run_checks() -> dict:
-    from kernels.attnres import attnres_mix_backward, attnres_mix_triton
+    from kernels.attnres import mix_backward_op, mix_op
 
     out = {}
     for name, (B, T, D, dtypes) in CASES.items():
@@ -93,10 +93,10 @@ def _run_checks() -> dict:
         ref = results_and_grads(depth_softmax_mix_autograd, *inputs, dtype=torch.float64)
         out[name] = errors(got, ref)
     values, scales, query, g_h = make_inputs(2, 16, 32, ["fp32", "bf16", "bf16"])
-    _, alpha = attnres_mix_triton(values, scales, query)
-    forward = torch.library.opcheck(attnres_mix_triton, ([v.requires_grad_() for v in values], scales,
+    _, alpha = mix_op(values, scales, query)
+    forward = torch.library.opcheck(mix_op, ([v.requires_grad_() for v in values], scales,
                                                          query.requires_grad_()))
-    backward = torch.library.opcheck(attnres_mix_backward, ([v.detach() for v in values], scales, query.detach(),
+    backward = torch.library.opcheck(mix_backward_op, ([v.detach() for v in values], scales, query.detach(),
                                                             alpha, g_h))
     out["opcheck"] = {**forward, **{f"backward_{k}": r for k, r in backward.items()}}
     out["compile_mismatches"] = compile_mismatches(make_inputs(2, 16, 32, ["fp32", "bf16", "bf16"]))
