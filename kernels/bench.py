@@ -181,6 +181,7 @@ def bench_kda(args):
                     torch.cuda.empty_cache()
                     f = fb = float("nan")
                 res[name] = (f, fb)
+                print(f"  measured {name}, {decay}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms", flush=True)
             ours, ref = res["ours (triton)"], res.get("fla chunk_kda")
             for name, (f, fb) in res.items():
                 ratio = (f"{ours[0] / ref[0]:.2f}", f"{ours[1] / ref[1]:.2f}") if (ref and name == "ours (triton)") else ("", "")

@@ -20,10 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _diag_decay, _load_tile, _pow2, dot_precision, tuned
+from .triton_fwd import BC, BT, _diag_decay, _load_tile, _pow2, dot_precision
 
 
-@tuned((4, 1), (8, 1), (4, 2))
 @triton.jit
 def _bwd_state(
     q, k, W, G, P, do, dht, dHs, dDl, dh0, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -70,7 +69,6 @@ def _bwd_state(
         tl.store(dh0 + i_bh * K * V + hoff, dh, mask=hmask)
 
 
-@tuned((8, 1), (4, 1))
 @triton.jit
 def _bwd_local_v(
     q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale: tl.constexpr,
@@ -251,7 +249,6 @@ def _bwd_diag(
         tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
 
 
-@tuned((8, 1), (4, 1))
 @triton.jit
 def _bwd_local_k(
     q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
@@ -358,7 +355,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     BVS = min(32, BV)
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec)
+        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4, num_stages=1)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
@@ -369,7 +366,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
     _bwd_local_v[(NT, B * H)](
         q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BV, BT, prec)
+        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8, num_stages=1)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
@@ -383,7 +380,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
                               dummy if z is None else z, dummy if A_log is None else A_log,
                               dummy if dt_bias is None else dt_bias,
                               dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
-                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min))
+                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min), num_warps=8)
     dA_log = dA_part.sum((0, 2)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt

@@ -25,23 +25,11 @@ tensor-core matmuls too (K3 sec. 2.1.1).
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 BT = 64  # chunk size
 BC = 16  # sub-block size
-
-
-def tuned(*warps_stages: tuple[int, int]):
-    """Autotune a kernel over (num_warps, num_stages) pairs, once per head dim K on the GPU (configs
-    that run out of shared memory are skipped by Triton); under TRITON_INTERPRET=1 only the first runs.
-    Only for kernels that never read what they write (the tuner launches them several times)."""
-    configs = [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        configs = configs[:1]
-    return triton.autotune(configs=configs, key=["K"])
 
 
 @triton.jit
@@ -128,7 +116,6 @@ def _decayed_rows(
     return A, P
 
 
-@tuned((4, 1), (8, 1))
 @triton.jit
 def _intra(
     q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -233,7 +220,6 @@ def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
-@tuned((4, 1), (8, 1))
 @triton.jit
 def _wy(
     k, v, beta, G, At, Tinv, U, W, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -320,7 +306,6 @@ def _wy(
         _store_rows(u_ptr + iv * BV, 3, T_local, stride_v, nv, u3, BCC, BV)
 
 
-@tuned((4, 2), (4, 3), (8, 2))
 @triton.jit
 def _state(
     k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -363,7 +348,6 @@ def _state(
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
 
 
-@tuned((4, 2), (8, 2))
 @triton.jit
 def _output(
     q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -427,13 +411,13 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                               H, K, BK, gate, float(g_min), BT, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec)
+    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec, num_warps=4)
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, num_warps=4)
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
@@ -441,9 +425,11 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     BVS = min(32, BV)  # narrower V-blocks for the sequential pass: more programs in flight
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
                                          dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
-                                         h0 is not None, ht is not None, prec)
+                                         h0 is not None, ht is not None, prec, num_warps=4,
+                                         num_stages=2)
     o = torch.empty_like(v)
-    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec)
+    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
+                                             num_warps=4)
     saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved
 
