@@ -160,7 +160,7 @@ def bench_kda(args):
     lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
               "| shape B,T,H,K,V | decay | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | ours/fla fwd | ours/fla fwd+bwd |",
               "|---|---|---|---|---|---|---|---|"]
-    impls = [("ours (triton)", run_ours)] + ([("fla chunk_kda", run_fla)] if have_fla else [])
+    impls = [("ours (triton)", run_ours)] + ([("fla chunk_kda", run_fla)] if have_fla and args.fla else [])
     impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
     for shape in args.shapes:
         B, T, H, K, V = shape
@@ -212,6 +212,7 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
     p.add_argument("--profile", action="store_true",
                    help="print a per-kernel CUDA time breakdown of our forward+backward at the first shape")
+    p.add_argument("--no-fla", dest="fla", action="store_false", help="skip fla's chunk_kda (its autotuning takes minutes)")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),

@@ -46,6 +46,18 @@ def _run_checks() -> dict:
         got = outputs_and_grads(partial(kda_triton, safe_gate=safe), [x.float() for x in inputs])
         out[name] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
 
+    # an unbounded gate is dispatched per chunk: chunks 0 and 2 decay within the sigmoid bound (tensor-core
+    # split), chunk 1 is saturated (exact diagonal kernels); all three in one call
+    from kernels.kda.triton_fwd import kda_fwd
+
+    mild, sat = (make_inputs(1, 150, 1, 16, 16, gate, seed=4) for gate in ("moderate", "softplus_sat"))
+    mixed = [torch.cat([m[:, :64], s[:, 64:128], m[:, 128:]], 1) for m, s in zip(mild[:5], sat[:5])] + [mild[5]]
+    ref = outputs_and_grads(kda_recurrent, mixed)
+    got = outputs_and_grads(kda_triton, [x.float() for x in mixed])
+    out["softplus_mixed_chunks_T150"] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
+    saved = kda_fwd(*[x.float() for x in mixed[:5]], 16 ** -0.5, None, False, False)[2]
+    out["chunk_flags"] = saved["Safe"].tolist()
+
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
     B, T, H, K, V = 1, 20, 2, 16, 16
@@ -95,13 +107,18 @@ def results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", list(CASES) + list(GATED))
+@pytest.mark.parametrize("case", list(CASES) + list(GATED) + ["softplus_mixed_chunks_T150"])
 def test_matches_float64_reference(results, case):
     """Outputs, final state and every gradient within 1e-4 (relative) of the float64 reference."""
     errs = results[case]
     assert len(errs) >= 8
     bad = {n: e for n, e in errs.items() if not e < LIMIT}
     assert not bad, bad
+
+
+def test_unbounded_gate_picks_the_split_per_chunk(results):
+    """Mild chunks take the tensor-core split, the saturated one the exact diagonal kernels."""
+    assert results["chunk_flags"] == [1, 0, 1]
 
 
 def test_causality(results):

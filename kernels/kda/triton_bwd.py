@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _diag_decay, _load_tile, _pow2, dot_precision
+from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, dot_precision
 
 
 @triton.jit
@@ -154,12 +154,12 @@ def _bwd_local_v(
 
 @triton.jit
 def _rows_da(
-    M1, M2, b, Gall, G_n, n, G_ptr, K,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    M1, M2, b, Gall, G_n, n, G_ptr, K, SAFE,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n, for two lower-triangular
     weight matrices sharing b. M1, M2: [BC, BT] those rows; b, Gall: [BT, BK]. Returns two [BC, BK].
-    With SAFE = False the diagonal sub-block (j in block n) is left to ``_bwd_diag``."""
+    SAFE as in ``_decayed_rows``; when false the diagonal sub-block (j in block n) is left to ``_bwd_diag``."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
@@ -182,12 +182,12 @@ def _rows_da(
 
 @triton.jit
 def _cols_db(
-    M1t, a1, M2t, a2, Gall, G_m, m, G_ptr, K,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    M1t, a1, M2t, a2, Gall, G_m, m, G_ptr, K, SAFE,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m, for two pairs (M1, a1),
     (M2, a2). Mt: [BC, BT] with Mt[j, i] = M[i, m*BC + j] (M lower-triangular); a, Gall: [BT, BK].
-    Returns two [BC, BK]. With SAFE = False the diagonal sub-block (i in block m) is left to ``_bwd_diag``."""
+    Returns two [BC, BK]. When SAFE is false the diagonal sub-block (i in block m) is left to ``_bwd_diag``."""
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     if SAFE:
@@ -208,11 +208,11 @@ def _cols_db(
 
 @triton.jit
 def _bwd_diag(
-    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
 ):
-    """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus),
-    added into the partial sums dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h,
+    """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus)
+    in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h,
     BKD key columns); per sub-block the pairwise decays E_ij = e^{G_i - G_j} (j <= i, exponents <= 0)
     form one [BC, BC, BKD] tensor shared by the four products
         x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
@@ -229,29 +229,30 @@ def _bwd_diag(
     G_ptr = G + (i_bh * NT * BTC + t0) * K
     r16 = tl.arange(0, BCC)
     cd = c0 + tl.arange(0, BKD)
-    for n in tl.static_range(BTC // BCC):
-        rows = n * BCC + r16
-        E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                    # [i, j, c]
-        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
-        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
-        moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-        dP = tl.load(dPs + moff)[:, :, None]                           # [i, j, 1]
-        dA = tl.load(dAs + moff)[:, :, None]
-        kE = kd[None, :, :] * E                                        # k_j E_ij
-        x1 = tl.sum(dP * kE, axis=1)
-        x3 = tl.sum(dA * kE, axis=1)
-        x2 = tl.sum(dP * (qd[:, None, :] * E), axis=0)
-        x4 = tl.sum(dA * (kd[:, None, :] * E), axis=0)
-        poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
-        pmask = cd[None, :] < K
-        tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
-        tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
-        tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
+    if tl.load(Safe + i_bh * NT + i_n) == 0:
+        for n in tl.static_range(BTC // BCC):
+            rows = n * BCC + r16
+            E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                    # [i, j, c]
+            qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
+            kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
+            moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+            dP = tl.load(dPs + moff)[:, :, None]                           # [i, j, 1]
+            dA = tl.load(dAs + moff)[:, :, None]
+            kE = kd[None, :, :] * E                                        # k_j E_ij
+            x1 = tl.sum(dP * kE, axis=1)
+            x3 = tl.sum(dA * kE, axis=1)
+            x2 = tl.sum(dP * (qd[:, None, :] * E), axis=0)
+            x4 = tl.sum(dA * (kd[:, None, :] * E), axis=0)
+            poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
+            pmask = cd[None, :] < K
+            tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
+            tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
+            tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
 
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
     SAFE: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
 ):
@@ -278,6 +279,7 @@ def _bwd_local_k(
     mbase = (i_bh * NT * BTC + t0) * BTC
     pbase = (i_bh * NT * BTC + t0) * K
     carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
+    safe = _chunk_safe(Safe, i_bh * NT + i_n, SAFE)
     if GATE > 0:
         a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         dA_acc = tl.zeros([BK], dtype=tl.float32)
@@ -296,8 +298,8 @@ def _bwd_local_k(
         dA_r = tl.load(dAs + row_off)
         dP_c = tl.load(dPs + col_off)
         dA_c = tl.load(dAs + col_off)
-        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, BTC, BCC, BK, SAFE, PREC)
-        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, BTC, BCC, BK, SAFE, PREC)
+        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
+        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
         poff = pbase + rows[:, None] * K + ck[None, :]
         pmask = ck[None, :] < K
         dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
@@ -346,7 +348,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, At, P, Tinv, W, Hs, Dl = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Hs", "Dl"))
+    G, Safe, At, P, Tinv, W, Hs, Dl = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Hs", "Dl"))
     do = do.contiguous()
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
@@ -372,11 +374,11 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
     if not safe_gate:
         BKD = min(BK, 32)
-        _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC, BKD,
-                                                   num_warps=4)
+        _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC,
+                                                   BKD, num_warps=4)
     dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
-    _bwd_local_k[(NT, B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
+    _bwd_local_k[(NT, B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
                               dummy if z is None else z, dummy if A_log is None else A_log,
                               dummy if dt_bias is None else dt_bias,
                               dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,

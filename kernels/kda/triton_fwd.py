@@ -30,6 +30,10 @@ import triton.language as tl
 
 BT = 64  # chunk size
 BC = 16  # sub-block size
+# A 16-row sub-block whose log-decay drops by at most this much in every channel is safe for the
+# tensor-core split at its middle row: every factor stays below e^75 (the bound the sigmoid map with
+# g >= -5 guarantees: 15 steps of 5).
+SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 
 
 @triton.jit
@@ -44,12 +48,14 @@ def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr,
+    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay. GATE: 0 = g given, 1 = sigmoid
     map g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
-    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0)."""
+    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
+    With CHECK (a gate not bounded below), Safe[b, h, n] = 1 when every 16-row sub-block of the chunk
+    decays by at most SAFE_RANGE in every channel, so the tensor-core path is exact there too."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -70,6 +76,10 @@ def _gate_cumsum(
     Gc = tl.cumsum(x, axis=0)
     base = G + (i_bh * NT * BTC) * K
     tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
+    if CHECK:  # decay across a sub-block = -(sum of g over its rows 1..15)
+        inner = tl.where((tl.arange(0, BTC) % BCC)[:, None] > 0, x, 0.0)
+        drop = -tl.sum(tl.reshape(inner, (BTC // BCC, BCC, BK)), axis=1)
+        tl.store(Safe + i_bh * NT + i_n, (tl.max(tl.max(drop, axis=1), axis=0) <= SAFE_RANGE).to(tl.int32))
 
 
 @triton.jit
@@ -84,15 +94,25 @@ def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
 
 
 @triton.jit
+def _chunk_safe(Safe, idx, SAFE: tl.constexpr):
+    """True when chunk idx may take the tensor-core split: always for a bounded gate (SAFE), else its
+    runtime flag from ``_gate_cumsum``."""
+    if SAFE:
+        return True
+    else:
+        return tl.load(Safe + idx) != 0
+
+
+@triton.jit
 def _decayed_rows(
-    k_n, q_n, G_n, kk, Gall, n, G_ptr, K,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    k_n, q_n, G_n, kk, Gall, n, G_ptr, K, SAFE,
+    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
     M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
     whole chunk; G_ptr points at row 0 of the chunk's G. The key-side factors are shared by both
-    products. Returns two float32 [BC, BT]; with SAFE = False the diagonal sub-block is left zero
-    (``_intra_diag`` fills it)."""
+    products. SAFE (compile-time, or the chunk's runtime flag) picks the split. Returns two float32
+    [BC, BT]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
@@ -118,10 +138,12 @@ def _decayed_rows(
 
 @triton.jit
 def _intra(
-    q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT]."""
+    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT].
+    SAFE: the gate is bounded (every chunk takes the tensor-core split); otherwise the chunk's flag
+    in Safe [B * H * NT] decides."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -135,13 +157,13 @@ def _intra(
     Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
     cols = tl.arange(0, BTC)
     out_base = (i_bh * NT * BTC + t0) * BTC
+    safe = _chunk_safe(Safe, i_bh * NT + i_n, SAFE)
     for n in tl.static_range(BTC // BCC):
         rows = n * BCC + tl.arange(0, BCC)
         G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
         q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K,
-                             BTC, BCC, BK, SAFE, PREC)
+        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
         offs = out_base + rows[:, None] * BTC + cols[None, :]
         tl.store(At + offs, a)
         tl.store(P + offs, p * scale)
@@ -149,12 +171,12 @@ def _intra(
 
 @triton.jit
 def _intra_diag(
-    q, k, G, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
 ):
-    """The four diagonal 16x16 sub-blocks of At and P of one chunk for an unbounded gate (softplus),
-    written over the zeros ``_intra`` left there: M_ij = sum_c a_ic k_jc E_ijc with the exact pairwise
-    decays E (``_diag_decay``), BKD key columns at a time."""
+    """The four diagonal 16x16 sub-blocks of At and P of one chunk for an unbounded gate (softplus)
+    whose Safe flag is 0, written over the zeros ``_intra`` left there: M_ij = sum_c a_ic k_jc E_ijc
+    with the exact pairwise decays E (``_diag_decay``), BKD key columns at a time."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -164,20 +186,21 @@ def _intra_diag(
     base = (i_b * T * H + i_h) * K + t0 * stride
     G_ptr = G + (i_bh * NT * BTC + t0) * K
     r16 = tl.arange(0, BCC)
-    for n in tl.static_range(BTC // BCC):
-        A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-        P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-        for c0 in tl.static_range(0, BK, BKD):
-            E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                   # [i, j, c]
-            k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
-            q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
-            kE = k_d[None, :, :] * E                                     # k_jc E_ijc
-            A_d += tl.sum(k_d[:, None, :] * kE, axis=2)
-            P_d += tl.sum(q_d[:, None, :] * kE, axis=2)
-        rows = n * BCC + r16
-        offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-        tl.store(At + offs, tl.where(r16[:, None] > r16[None, :], A_d, 0.0))
-        tl.store(P + offs, tl.where(r16[:, None] >= r16[None, :], P_d * scale, 0.0))
+    if tl.load(Safe + i_bh * NT + i_n) == 0:
+        for n in tl.static_range(BTC // BCC):
+            A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+            P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+            for c0 in tl.static_range(0, BK, BKD):
+                E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)               # [i, j, c]
+                k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
+                q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
+                kE = k_d[None, :, :] * E                                 # k_jc E_ijc
+                A_d += tl.sum(k_d[:, None, :] * kE, axis=2)
+                P_d += tl.sum(q_d[:, None, :] * kE, axis=2)
+            rows = n * BCC + r16
+            offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+            tl.store(At + offs, tl.where(r16[:, None] > r16[None, :], A_d, 0.0))
+            tl.store(P + offs, tl.where(r16[:, None] >= r16[None, :], P_d * scale, 0.0))
 
 
 @triton.jit
@@ -406,14 +429,16 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     dev = q.device
     f32 = torch.float32
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    Safe = torch.empty(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
     dummy = G
-    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, T,
-                              H, K, BK, gate, float(g_min), BT, num_warps=4)
+    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, Safe,
+                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    _intra[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec, num_warps=4)
+    _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec,
+                        num_warps=4)
     if not safe_gate:
-        _intra_diag[(NT, B * H)](q, k, G, At, P, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
+        _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
@@ -430,7 +455,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     o = torch.empty_like(v)
     _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
                                              num_warps=4)
-    saved = dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
+    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved
 
 
