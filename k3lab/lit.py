@@ -78,9 +78,12 @@ class K3LitModule(L.LightningModule):
             return
         now = time.perf_counter()
         tokens_per_s = self._loss_count * self.tokens_per_step / max(now - self._t_last, 1e-9)
+        # the training loss of the global batch: mean over every rank's micro-batches (one all-reduce)
+        totals = torch.tensor([self._loss_sum, self._loss_count], dtype=torch.float64, device=self.device)
+        loss_sum, loss_count = self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()
         groups = {g["name"]: g["lr"] for g in self.optimizers().param_groups}
         metrics = {
-            "loss/train": self._loss_sum / max(self._loss_count, 1),
+            "loss/train": loss_sum / max(loss_count, 1),
             "optim/lr": groups.get("muon", groups.get("adamw")),
             "optim/lr_adamw": groups.get("adamw", groups.get("adamw_no_decay")),
             "optim/grad_norm": self._grad_norm,

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback, RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
@@ -27,7 +28,7 @@ class LineProgress(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step % self.every and step != self.max_steps:
+        if not trainer.is_global_zero or (step % self.every and step != self.max_steps):
             return
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.step0) / max(elapsed, 1e-9)
@@ -38,7 +39,7 @@ class LineProgress(Callback):
               f"{tok_s / 1e3:.1f}k tok/s | elapsed {_clock(elapsed)} | eta {_clock(eta)}", flush=True)
 
     def on_validation_end(self, trainer, pl_module):
-        if pl_module.last_val and not trainer.sanity_checking:
+        if pl_module.last_val and not trainer.sanity_checking and trainer.is_global_zero:
             print(f"step {trainer.global_step}: val loss {pl_module.last_val['loss/val']:.4f} "
                   f"acc {pl_module.last_val['acc/val']:.3f}", flush=True)
 
@@ -53,6 +54,7 @@ def progress_callback(max_steps: int) -> Callback:
     return RichProgressBar() if sys.stdout.isatty() else LineProgress(max_steps)
 
 
+@rank_zero_only
 def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_token: float,
                      unigram_entropy: float, tokens_per_step: int) -> None:
     table = Table(title=f"k3lab run -> {run_dir}", show_header=False)

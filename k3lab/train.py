@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from k3lab.config import (BalanceConfig, DataConfig, DecayConfig, GLUConfig, KernelsConfig, MixerConfig,
@@ -76,6 +77,8 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, 
         saved = OmegaConf.load(run_dir / "config.yaml")
         return saved, run_dir, run_dir / "checkpoints" / "last.ckpt"
     run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
+    if rank_zero_only.rank != 0:  # a DDP worker that Lightning started from this script: rank 0 owns the directory
+        return OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None
     if (run_dir / "summary.json").exists() and not cfg.overwrite:
         raise FileExistsError(f"run directory {run_dir} exists; pass resume={run_dir} to continue it, "
                               f"overwrite=true to start it again, or run_name=<new name>")
@@ -89,6 +92,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, 
     return cfg, run_dir, None
 
 
+@rank_zero_only
 def truncate_metrics(run_dir: Path, last_step: int) -> None:
     """On resume, drop lines logged after the checkpoint, so the resumed run continues one curve."""
     import json
@@ -162,7 +166,7 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"]
         truncate_metrics(run_dir, start_step)
         module.elapsed_offset = summary.data.get("wall_time_s", 0.0)
-        print(f"resuming {run_dir} from step {start_step}")
+        rank_zero_only(print)(f"resuming {run_dir} from step {start_step}")
     datamodule.set_start_step(start_step)
     try:
         if ckpt_path is None:
@@ -181,7 +185,7 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
     if module.last_depth:
-        plot_diagnostics(module.last_depth, run_dir / "plots")
+        rank_zero_only(plot_diagnostics)(module.last_depth, run_dir / "plots")
     print_final(summary.data)
     return summary.data
 
@@ -211,6 +215,7 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+@rank_zero_only
 def write_metrics_csv(run_dir: Path) -> None:
     """metrics.csv, a mirror of metrics.jsonl for spreadsheet users (one column per key)."""
     import pandas as pd
@@ -220,6 +225,7 @@ def write_metrics_csv(run_dir: Path) -> None:
         pd.DataFrame(rows).to_csv(run_dir / "metrics.csv", index=False)
 
 
+@rank_zero_only
 def write_run_plots(run_dir: Path) -> None:
     """Per-run figures in <run_dir>/plots: the loss curves, and MoE MaxVio when the model routes."""
     import matplotlib
@@ -249,6 +255,7 @@ def write_run_plots(run_dir: Path) -> None:
         plt.close(fig)
 
 
+@rank_zero_only
 def print_final(s: dict) -> None:
     if s.get("loss_val_final") is None:
         print(f"done: no validation loss, {s['steps']} steps, {s['wall_time_s']:.0f} s")

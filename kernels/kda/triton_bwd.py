@@ -212,8 +212,9 @@ def _bwd_diag(
     BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
 ):
     """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus)
-    in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h,
-    BKD key columns); per sub-block the pairwise decays E_ij = e^{G_i - G_j} (j <= i, exponents <= 0)
+    in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums
+    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h, BKD key columns); per
+    sub-block the pairwise decays E_ij = e^{G_i - G_j} (j <= i, exponents <= 0)
     form one [BC, BC, BKD] tensor shared by the four products
         x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
         x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
