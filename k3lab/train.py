@@ -12,11 +12,12 @@ import statistics
 import sys
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -101,7 +102,8 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int) -> L.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
+                  callbacks: Sequence[Callback] = ()) -> L.Trainer:
     tc = cfg.trainer
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
@@ -111,7 +113,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
         limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
         overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
-        callbacks=[ckpt, progress_callback(cfg.train.max_steps)], plugins=[AtomicCheckpointIO()],
+        callbacks=[ckpt, progress_callback(cfg.train.max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
         enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
         deterministic=tc.accelerator == "cpu",
     )
@@ -125,7 +127,8 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
-def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
+def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callback] = ()) -> dict:
+    """One run into its run directory (docs/run_directory.md); extra Lightning callbacks (probes) may ride along."""
     quiet_lightning()
     cfg, run_dir, ckpt_path = prepare_run_dir(cfg, list(overrides))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -160,7 +163,7 @@ def train(cfg: DictConfig, overrides: list[str] = ()) -> dict:
         loggers.append(WandbLogger(project=cfg.logger.project, name=run_dir.name, save_dir=str(run_dir),
                                    offline=cfg.logger.mode == "offline",
                                    config=OmegaConf.to_container(cfg, resolve=True)))
-    trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches)
+    trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches, callbacks)
     start_step = 0
     if ckpt_path is not None:
         start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"]
