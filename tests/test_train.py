@@ -135,6 +135,28 @@ def test_ddp_on_two_cpu_processes_equals_one_process_with_the_doubled_batch(corp
         assert abs(got[key] - value) < 1e-3, (key, got[key], value)  # bf16 Newton-Schulz amplifies reduction order
 
 
+def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
+    """benchmarks/qb_lag.py rides along as a callback: the run's curve is bit-identical to a plain run, its
+    `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
+    well as one K3 update."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qb_lag import QBLagProbe
+
+    args = overrides(corpus, tmp_path, "train.max_steps=4", "train.val_every=4")
+    plain = run_inprocess([*args, "run_name=plain"])
+    probe = QBLagProbe(tmp_path / "lag.jsonl")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*args, "run_name=probed"])
+    probed = train(cfg, overrides=[*args, "run_name=probed"], callbacks=[probe])
+    assert probed["loss_val_final"] == plain["loss_val_final"]
+    logged = {r["step"]: r["moe/maxvio"] for r in rows(tmp_path / "default" / "probed") if "moe/maxvio" in r}
+    assert [r["step"] for r in probe.rows] == [1, 2, 3, 4] == sorted(logged)
+    for r in probe.rows:
+        assert r["actual"] == pytest.approx(logged[r["step"]])
+        assert r["own_fixed"] <= r["own_update"] + 1e-9
+    assert len((tmp_path / "lag.jsonl").read_text().splitlines()) == 4
+
+
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch):
     original = K3Model.forward
     training_calls = []
