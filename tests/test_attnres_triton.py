@@ -7,14 +7,12 @@ reads the variable when first imported) and the tests assert on the relative err
 CUDA (``pytest -m gpu``): bf16 and fp32 up to D = 8192 and 16 sources, and under torch.compile.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from k3lab.model.attnres import _DepthSoftmaxMix, depth_softmax_mix, depth_softmax_mix_autograd, inv_rms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,11 +108,7 @@ def assert_close(errs: dict):
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -6,13 +6,13 @@ script) and the tests assert on the relative errors it reports. Reference: the f
 recurrence (arXiv:2510.26692 eq. 1); limit 1e-4 in fp32 (issue 5).
 """
 import json
-import os
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
+
+from interpreted import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 1e-4
@@ -100,11 +100,7 @@ def _run_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(GATED) + ["softplus_mixed_chunks_T150"])
