@@ -27,7 +27,9 @@ DEFAULT_BASELINE = {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim":
 OPTION_ORDER = {"decay": ["sigmoid", "softplus"], "glu": ["situ", "swiglu"], "balance": ["qb", "sign", "aux", "none"],
                 "optim": ["muon_per_head", "muon", "adamw"], "residual": ["block_attnres", "full_attnres", "standard"],
                 "moe": ["latent_norm", "latent", "standard", "dense"], "mixer": ["hybrid", "mla", "kda"]}
-DEFAULT_MATCH = ("model", "data", "tokens")
+# What must be equal for two runs to be compared: the model config and its size (a ladder shares one
+# config name across depths), the data and the training length.
+DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "tokens")
 
 
 def effective_baseline(runs: pd.DataFrame, baseline: Optional[dict] = None,

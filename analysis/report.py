@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.ablate import (_parse_baseline, ablation_table, display_table, effective_baseline, fmt,
+from analysis.ablate import (DEFAULT_MATCH, _parse_baseline, ablation_table, display_table, effective_baseline, fmt,
                              markdown_table, print_ablation, variant_labels)
 from analysis.collect import (Collection, _split, add_source_args, collect, runs_to_scaling, scaling_table_from_args,
                               select_rows)
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None)
     p.add_argument("--metric", default="loss_val_final", help="ablation metric (summary column)")
     p.add_argument("--baseline", action="append", default=[], help="override a switch reference, e.g. moe=dense")
-    p.add_argument("--match", default="model,data,tokens", help="columns that identify a matched ablation cell")
+    p.add_argument("--match", default=",".join(DEFAULT_MATCH), help="columns that identify a matched ablation cell")
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
     p.add_argument("--n-boot", type=int, default=400, help="approach-3 bootstrap replicates (0 = none)")
     p.add_argument("--n-boot-small", type=int, default=200, help="bootstrap replicates for approach 2 and multipliers")

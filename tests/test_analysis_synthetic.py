@@ -271,3 +271,18 @@ def test_repeated_runs_of_one_seed_count_once():
     glu = table[table["switch"] == "glu"].set_index("option")
     assert glu.loc["situ", "n"] == 2 and glu.loc["swiglu", "n"] == 2
     assert glu.loc["swiglu", "delta"] == pytest.approx(0.1)
+
+
+def test_sizes_of_one_model_config_are_separate_cells():
+    """A ladder shares one model config name across depths: runs of different sizes are never pooled
+    into one cell (nor collapsed as repeats of one seed); each size gets its own comparison."""
+    base = {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim": "muon_per_head",
+            "residual": "block_attnres", "moe": "latent_norm", "mixer": "hybrid", "model": "ladder",
+            "data": "sotu", "tokens": 1000, "seed": 0}
+    rows = [dict(base, n_layers=L, d_model=64 * L, glu=g, loss_val_final=4.0 - 0.1 * L + (0.05 if g == "swiglu" else 0))
+            for L in (2, 4) for g in ("situ", "swiglu")]
+    table = ablation_table(pd.DataFrame(rows))
+    swiglu = table[(table["switch"] == "glu") & (table["option"] == "swiglu")].set_index("n_layers")
+    assert sorted(swiglu.index) == [2, 4]
+    assert (swiglu["n"] == 1).all()
+    assert swiglu["delta"].tolist() == pytest.approx([0.05, 0.05])
