@@ -28,6 +28,17 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+def check_finite(loss: torch.Tensor, step: int, reduce) -> None:
+    """Raise NonFiniteLossError on every rank when the loss is not finite on any rank. `reduce` is the
+    strategy's (tensor, reduce_op) -> tensor: one all-reduce of a flag under DDP, so no rank stops alone
+    and leaves the others waiting in the next collective; the identity on one device."""
+    bad = reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), reduce_op="sum")
+    if bad > 0:
+        raise NonFiniteLossError(
+            f"loss is {loss.item()} at step {step} (not finite on {int(bad)} rank(s)); stopping. The last "
+            f"good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+
+
 class K3LitModule(L.LightningModule):
     def __init__(self, model: K3Model, optim_cfg: OptimConfig, max_steps: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float):
@@ -56,10 +67,7 @@ class K3LitModule(L.LightningModule):
         x, y = batch
         logits = self.model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss.item()} at step {self.global_step}; stopping. The last good checkpoint "
-                f"is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+        check_finite(loss, self.global_step, self.trainer.strategy.reduce)
         self._loss_sum += loss.item()
         self._loss_count += 1
         return loss + self.model.aux_loss().to(loss.device)
