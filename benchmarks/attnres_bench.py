@@ -100,8 +100,7 @@ class StackedMix(attnres.AttnResidual):
     """Sources stacked into one [S, B, T, D] tensor per op; RMSNorm applied to the stack (paper pseudocode)."""
 
     def _mix(self, state, op):
-        values = state.sources + ([state.partial] if state.partial is not None else [])
-        V = torch.stack(values)
+        V = torch.stack(self.op_inputs(state)[0])
         K = self.norms[op](V)
         logits = (K @ self.queries[op].to(K.dtype)).float()
         alpha = logits.softmax(0)
@@ -110,32 +109,20 @@ class StackedMix(attnres.AttnResidual):
 
 class TorchMix(attnres.AttnResidual):
     """Like AttnResidual, but the mix always in torch ops (`_DepthSoftmaxMix`), never the Triton kernels."""
-
-    def _mix(self, state, op):
-        values = state.sources + ([state.partial] if state.partial is not None else [])
-        scales = state.inv_rms + ([attnres.inv_rms(state.partial, self.eps)] if state.partial is not None else [])
-        h, _ = attnres.depth_softmax_mix(values, scales, self.queries[op] * self.norms[op].weight, impl="torch")
-        return h
+    mix = staticmethod(functools.partial(attnres.depth_softmax_mix, impl="torch"))
 
 
 class NoCacheMix(attnres.AttnResidual):
     """Like AttnResidual, but every op recomputes 1/rms of every source."""
 
-    def _mix(self, state, op):
+    def op_inputs(self, state):
         values = state.sources + ([state.partial] if state.partial is not None else [])
-        scales = [attnres.inv_rms(v, self.eps) for v in values]
-        h, _ = attnres.depth_softmax_mix(values, scales, self.queries[op] * self.norms[op].weight)
-        return h
+        return values, [attnres.inv_rms(v, self.eps) for v in values]
 
 
 class AutogradMix(attnres.AttnResidual):
     """Like AttnResidual, but the op in plain autograd ops instead of the hand-written backward."""
-
-    def _mix(self, state, op):
-        values = state.sources + ([state.partial] if state.partial is not None else [])
-        scales = state.inv_rms + ([attnres.inv_rms(state.partial, self.eps)] if state.partial is not None else [])
-        h, _ = attnres.depth_softmax_mix_autograd(values, scales, self.queries[op] * self.norms[op].weight)
-        return h
+    mix = staticmethod(attnres.depth_softmax_mix_autograd)
 
 
 IMPLS = {"torch": TorchMix, "stack": StackedMix, "nocache": NoCacheMix, "autograd": AutogradMix}

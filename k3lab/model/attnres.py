@@ -205,12 +205,20 @@ class AttnResidual(DepthRecorder, nn.Module):
     def begin(self, embedding: torch.Tensor) -> DepthState:
         return DepthState(sources=[embedding], inv_rms=[inv_rms(embedding, self.eps)])
 
-    def _mix(self, state: DepthState, op: int) -> torch.Tensor:
+    # the mix function (values, inv_rms, query) -> (h, alpha); benchmarks swap in alternatives
+    mix = staticmethod(depth_softmax_mix)
+
+    def op_inputs(self, state: DepthState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The values an op attends over (finished sources, then the partial sum) and their 1/rms."""
         values, scales = list(state.sources), list(state.inv_rms)
         if state.partial is not None:
             values.append(state.partial)
             scales.append(inv_rms(state.partial, self.eps))
-        h, alpha = depth_softmax_mix(values, scales, self.queries[op] * self.norms[op].weight)
+        return values, scales
+
+    def _mix(self, state: DepthState, op: int) -> torch.Tensor:
+        values, scales = self.op_inputs(state)
+        h, alpha = self.mix(values, scales, self.queries[op] * self.norms[op].weight)
         if self.record:
             self.record_weights(op, self.source_columns(op), alpha)
         return h

@@ -17,7 +17,6 @@ CUDA bf16), or, elsewhere, as a loop over the experts' contiguous segments.
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
