@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, dot_precision
+from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision
 
 
 @triton.jit
@@ -321,9 +321,8 @@ def _bwd_local_k(
             dg_n = dpre * a_h
         elif GATE == 2:     # g = -a softplus(z + dt_bias)
             zb = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK) + bias[None, :]
-            sp = tl.where(zb > 20.0, zb, tl.log(1.0 + tl.exp(tl.minimum(zb, 20.0))))
             dgm = tl.where(omask, dg_n, 0.0)
-            dA_acc += tl.sum(-dgm * a_h * sp, axis=0)
+            dA_acc += tl.sum(-dgm * a_h * _softplus(zb), axis=0)
             dg_n = -dgm * a_h * tl.sigmoid(zb)
             ddt_acc += tl.sum(dg_n, axis=0)
         tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
@@ -390,6 +389,16 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
 
 
 @triton.jit
+def _l2norm_rows_bwd(xn_ptr, dxn_ptr, inv_ptr, dx_ptr, r, off, m, N):
+    """dx = (dxn - xn <xn, dxn>) / |x| over the rows r, in dx's dtype (backward of ``_l2norm_rows``)."""
+    x = tl.load(xn_ptr + off, mask=m, other=0.0)
+    dx = tl.load(dxn_ptr + off, mask=m, other=0.0).to(tl.float32)
+    inv = tl.load(inv_ptr + r, mask=r < N, other=0.0)
+    tl.store(dx_ptr + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dx_ptr.dtype.element_ty),
+             mask=m)
+
+
+@triton.jit
 def _prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, dq, dk, dbl, N, K: tl.constexpr, BK: tl.constexpr,
               BR: tl.constexpr):
     """Backward of ``_prep``: dq = (dqn - qn <qn, dqn>) / |q| (likewise k), dbl = dbeta beta (1 - beta)."""
@@ -397,14 +406,8 @@ def _prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, dq, dk, dbl, N, K: tl.const
     c = tl.arange(0, BK)
     m = (r[:, None] < N) & (c[None, :] < K)
     off = r[:, None] * K + c[None, :]
-    x = tl.load(qn + off, mask=m, other=0.0)
-    dx = tl.load(dqn + off, mask=m, other=0.0).to(tl.float32)
-    inv = tl.load(rq + r, mask=r < N, other=0.0)
-    tl.store(dq + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dq.dtype.element_ty), mask=m)
-    x = tl.load(kn + off, mask=m, other=0.0)
-    dx = tl.load(dkn + off, mask=m, other=0.0).to(tl.float32)
-    inv = tl.load(rk + r, mask=r < N, other=0.0)
-    tl.store(dk + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dk.dtype.element_ty), mask=m)
+    _l2norm_rows_bwd(qn, dqn, rq, dq, r, off, m, N)
+    _l2norm_rows_bwd(kn, dkn, rk, dk, r, off, m, N)
     b = tl.load(beta + r, mask=r < N, other=0.0)
     db = tl.load(dbeta + r, mask=r < N, other=0.0).to(tl.float32)
     tl.store(dbl + r, (db * b * (1.0 - b)).to(dbl.dtype.element_ty), mask=r < N)

@@ -47,6 +47,12 @@ def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr
 
 
 @triton.jit
+def _softplus(x):
+    """log(1 + e^x), linear above 20 (where the two agree in fp32)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
 def _gate_cumsum(
     g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
@@ -70,8 +76,7 @@ def _gate_cumsum(
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)
         z = x + bias[None, :]
-        sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-        x = -a * sp
+        x = -a * _softplus(z)
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
     base = G + (i_bh * NT * BTC) * K
@@ -460,6 +465,15 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
 
 
 @triton.jit
+def _l2norm_rows(x_ptr, xn_ptr, inv_ptr, r, off, m, N):
+    """xn = x / max(|x|, 1e-12) over the rows r of x (float32 out), and the inverse norms."""
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
+    tl.store(xn_ptr + off, x * inv[:, None], mask=m)
+    tl.store(inv_ptr + r, inv, mask=r < N)
+
+
+@triton.jit
 def _prep(q, k, bl, qn, kn, beta, rq, rk, N, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     """Fused input prep for ``kda_gated``: over N = B*T*H rows, qn = q / max(|q|, 1e-12) (likewise k),
     stored in float32 with the inverse norms rq, rk [N], and beta = sigmoid(bl)."""
@@ -467,14 +481,8 @@ def _prep(q, k, bl, qn, kn, beta, rq, rk, N, K: tl.constexpr, BK: tl.constexpr, 
     c = tl.arange(0, BK)
     m = (r[:, None] < N) & (c[None, :] < K)
     off = r[:, None] * K + c[None, :]
-    x = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
-    tl.store(qn + off, x * inv[:, None], mask=m)
-    tl.store(rq + r, inv, mask=r < N)
-    x = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)
-    tl.store(kn + off, x * inv[:, None], mask=m)
-    tl.store(rk + r, inv, mask=r < N)
+    _l2norm_rows(q, qn, rq, r, off, m, N)
+    _l2norm_rows(k, kn, rk, r, off, m, N)
     b = tl.load(bl + r, mask=r < N, other=0.0).to(tl.float32)
     tl.store(beta + r, tl.sigmoid(b), mask=r < N)
 
