@@ -22,6 +22,8 @@ torch.compile the op and its backward are the custom ops ``k3lab::attnres_mix`` 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -129,11 +131,10 @@ def supported(values, inv_rms, query) -> bool:
             and query.shape == v0.shape[-1:])
 
 
-def _out_dtype(values: list[torch.Tensor]) -> torch.dtype:
-    out = values[0].dtype
-    for v in values[1:]:
-        out = torch.promote_types(out, v.dtype)
-    return out
+@functools.lru_cache(maxsize=None)
+def _programs_per_grid(device: torch.device) -> int:
+    """Programs of the backward's grid-stride loop: a few per SM keep the g_q partial sums small."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
@@ -152,7 +153,7 @@ def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
 
 def _empty_forward(values, inv_rms, query):
     B, T, D = values[0].shape
-    h = values[0].new_empty(B, T, D, dtype=_out_dtype(values))
+    h = values[0].new_empty(B, T, D, dtype=functools.reduce(torch.promote_types, [v.dtype for v in values]))
     return h, values[0].new_empty(len(values), B, T, dtype=torch.float32)
 
 
@@ -164,10 +165,7 @@ def mix_backward(
     B, T, D = values[0].shape
     N, S = B * T, len(values)
     BD, BT, warps = _blocks(D)
-    device = values[0].device
-    # grid-stride loop over row blocks: a few programs per SM keep the g_q partial sums small
-    n_prog = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    n_prog = min(triton.cdiv(N, BT), n_prog)
+    n_prog = min(triton.cdiv(N, BT), _programs_per_grid(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
     g_q = alpha.new_empty(n_prog, D)
