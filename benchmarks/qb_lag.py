@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3lab.model.moe import MoE  # noqa: E402
-from k3lab.model.router import centre, expert_load, max_violation, qb_margins, qb_quantile_exact, route  # noqa: E402
+from k3lab.model.router import QuantileBalance, expert_load, max_violation, route  # noqa: E402
 from k3lab.train import train  # noqa: E402
 
 KEYS = ["actual", "own_update", "own_fixed", "drift_both", "drift_router", "drift_input", "next_fixed"]
@@ -45,9 +45,10 @@ def maxvio(scores: torch.Tensor, bias: torch.Tensor, k: int) -> float:
 
 
 def fixed_point(scores: torch.Tensor, bias: torch.Tensor, k: int, iters: int = 50) -> torch.Tensor:
-    for _ in range(iters):
-        bias = centre(-qb_quantile_exact(qb_margins(route(scores, bias, k)), k))
-    return bias
+    """The K3 update iterated on one batch's scores (QuantileBalance with `iters`), from `bias`."""
+    qb = QuantileBalance(scores.shape[1], k, iters=iters)
+    qb.observe(route(scores, bias, k), bias)
+    return qb.update(bias)
 
 
 class QBLagProbe(Callback):

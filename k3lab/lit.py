@@ -2,8 +2,8 @@
 
 Metrics go straight to the trainer's loggers (JsonlLogger, plus wandb when enabled) with explicit
 steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
-The loss is checked for NaN/inf on every step (one host sync per step): a bad step must fail before
-the checkpoint callback can save it.
+The loss is checked for NaN/inf on every step (one host sync per step, and under DDP one all-reduce
+of a flag so every rank stops together): a bad step must fail before the checkpoint callback can save it.
 """
 from __future__ import annotations
 
