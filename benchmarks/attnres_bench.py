@@ -2,6 +2,7 @@
 
     python -m benchmarks.attnres_bench --device cpu            # small, a few minutes on 2 cores
     python -m benchmarks.attnres_bench --device cuda           # >= 12 layers, bf16 autocast (one H200)
+    python -m benchmarks.attnres_bench --device cuda --profile --tune   # where the residual's time goes
 
 Every variant is the same model (same seed, same tokens) with only the residual switched. By default
 that is k3lab's K3Model (KDA/MLA 3:1, dense GLU FFN); `--model standin` (or when K3Model cannot be
@@ -20,21 +21,29 @@ comparison: `torch` (the hand-written torch autograd.Function, the CPU path, als
 every op) and `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode).
 Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`.
 A second table times the residual alone (the seam driven by cheap elementwise sublayers), where the cost
-of the mix is not hidden by the layers.
+of the mix is not hidden by the layers. Instead of the tables, `--profile` lists the top kernels of
+block_attnres' residual alone (torch.profiler; registers and occupancy on CUDA) and `--tune` times the
+fused mix kernels alone over launch configs (rows per program, num_warps, backward programs per SM).
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import functools
+import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,16 +246,15 @@ def bench(models: dict, tokens, args, device) -> dict:
     return rows
 
 
-def bench_seam(variants, args, device) -> dict:
-    """The residual alone: begin/read/write/end over 2L cheap sublayers f_i(x) = x * c_i + n_i (n_i fixed
-    random [B, T, D]), forward + backward. Isolates the cost of the residual from the layers'."""
+def seam_steps(variants, args, device) -> dict:
+    """variant -> step(): one forward + backward of the residual alone, begin/read/write/end over 2L cheap
+    sublayers f_i(x) = x * c_i + n_i (n_i fixed random [B, T, D]). Isolates the residual's cost from the layers'."""
     n_sub, D = 2 * args.layers, args.d_model
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     g = torch.Generator().manual_seed(0)
     noise = [torch.randn(args.batch, args.seq, D, generator=g).to(device, dtype) for _ in range(n_sub)]
     emb0 = torch.randn(args.batch, args.seq, D, generator=g).to(device, dtype)
     scales = torch.linspace(0.5, 1.0, n_sub).tolist()
-    rows = {}
     residuals = {}
     for v in variants:
         name, _, impl = v.partition("[")
@@ -261,23 +269,172 @@ def bench_seam(variants, args, device) -> dict:
             state = res.write(state, i, res.read(state, i) * scales[i] + noise[i])
         return res.end(state).float().square().mean()
 
-    seams = {v: torch.compile(functools.partial(seam, res)) if args.compile else functools.partial(seam, res)
-             for v, res in residuals.items()}
+    def step(fn):
+        fn(emb0.clone().requires_grad_(True)).backward()
+
+    return {v: functools.partial(step, torch.compile(functools.partial(seam, res)) if args.compile
+                                 else functools.partial(seam, res)) for v, res in residuals.items()}
+
+
+def bench_seam(variants, args, device) -> dict:
+    """Median wall and CPU ms of each `seam_steps` step, variants interleaved."""
+    steps = seam_steps(variants, args, device)
     times = {v: [] for v in variants}
     cpu_times = {v: [] for v in variants}
     for r in range(args.warmup + 3 * args.steps):
-        for v in residuals:
-            emb = emb0.clone().requires_grad_(True)
+        for v, step in steps.items():
             sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            seams[v](emb).backward()
+            step()
             sync(device)
             if r >= args.warmup:
                 times[v].append(time.perf_counter() - t0)
                 cpu_times[v].append(time.process_time() - c0)
-    for v in variants:
-        rows[v] = {"ms": 1e3 * statistics.median(times[v]), "cpu_ms": 1e3 * statistics.median(cpu_times[v])}
-    return rows
+    return {v: {"ms": 1e3 * statistics.median(times[v]), "cpu_ms": 1e3 * statistics.median(cpu_times[v])}
+            for v in variants}
+
+
+def kernel_resources(prof) -> dict[str, str]:
+    """CUDA kernel name -> its registers per thread and Kineto's estimated occupancy, as ranges over its
+    launches (one name covers every compiled variant, e.g. _mix_fwd for each source count)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    seen = defaultdict(lambda: (set(), set()))
+    for e in events:
+        if e.get("cat") == "kernel":
+            regs, occ = seen[e["name"]]
+            regs.add(e.get("args", {}).get("registers per thread"))
+            occ.add(e.get("args", {}).get("est. achieved occupancy %"))
+
+    def span(xs):
+        xs = sorted(x for x in xs if x is not None)
+        return "?" if not xs else f"{xs[0]}" if xs[0] == xs[-1] else f"{xs[0]}-{xs[-1]}"
+
+    return {name: f"{span(regs)} regs, {span(occ)}% occ" for name, (regs, occ) in seen.items()}
+
+
+def profile_seam(args, device, variant: str = "block_attnres", n_steps: int = 3, top: int = 15) -> None:
+    """torch.profiler over `n_steps` steps of the residual alone (after args.warmup): the `top` CUDA kernels
+    (CPU ops on CPU) by self time, per step, and busy time against wall time per step."""
+    step = seam_steps([variant], args, device)[variant]
+    for _ in range(args.warmup):
+        step()
+    wall = []
+    for _ in range(n_steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        wall.append(1e3 * (time.perf_counter() - t0))
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            step()
+        sync(device)
+        profiled_ms = 1e3 * (time.perf_counter() - t0) / n_steps
+    if cuda:
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        self_us = {e.key: e.self_device_time_total for e in events}
+        resources = kernel_resources(prof)
+    else:
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+        self_us = {e.key: e.self_cpu_time_total for e in events}
+        resources = {}
+    total_us = sum(self_us.values())
+    unit = "CUDA kernels" if cuda else "CPU ops"
+    print(f"\nprofile: residual alone, {variant}, {n_steps} steps after {args.warmup} warm-up; "
+          f"top {top} {unit} by self time")
+    print(f"{'name':60} | calls/step | ms/step |  us/call | share" + (" | resources" if cuda else ""))
+    for e in sorted(events, key=lambda e: -self_us[e.key])[:top]:
+        us = self_us[e.key]
+        print(f"{e.key[:60]:60} | {e.count / n_steps:10.1f} | {us / 1e3 / n_steps:7.3f} | {us / e.count:8.1f} | "
+              f"{100 * us / total_us:4.1f}%" + (f" | {resources.get(e.key, '')}" if cuda else ""))
+    print(f"{unit} {'busy' if cuda else 'self time'} {total_us / 1e3 / n_steps:.2f} ms/step; wall "
+          f"{statistics.median(wall):.2f} ms/step unprofiled, {profiled_ms:.2f} profiled"
+          + (" (wall well above busy: bound by launches / CPU)" if cuda else ""))
+
+
+def time_ms(fn, device, reps: int) -> float:
+    """Median ms of fn(): on CUDA `triton.testing.do_bench` (CUDA events, L2 flushed before each call, at
+    least ~20 calls after warm-up); elsewhere the wall clock over `reps` calls after one warm-up call."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=50, return_mode="median")
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+TUNE_SOURCES = (2, 5, 9)
+TUNE_ROWS = (1, 2, 4, 8, 16)
+TUNE_WARPS = (2, 4, 8, 16)
+TUNE_PROGRAMS_PER_SM = (2, 4, 8, 16)
+
+
+def tune_mix(args, device) -> None:
+    """Time the fused mix alone (`mix_forward`, `mix_backward`) on S random bf16 sources [N, D] (N =
+    --tune-rows, D = --d-model) for S in TUNE_SOURCES, over launch configs (rows per program BT, num_warps)
+    from TUNE_ROWS x TUNE_WARPS with 2..16 elements of a [BT, BD] tile per thread (fewer: narrow loads,
+    more: the backward's five fp32 tiles spill registers), plus the default; the backward also over
+    programs per SM. Per S a table, best marked with *, then the default against the best."""
+    import triton
+
+    from kernels import attnres as fused
+
+    N, D = args.tune_rows, args.d_model
+    BD = triton.next_power_of_2(D)
+    default = fused.default_launch(D)
+
+    def per_thread(cfg):
+        return cfg[0] * BD // (32 * cfg[1])
+
+    configs = [(bt, w) for bt in TUNE_ROWS for w in TUNE_WARPS if 2 <= per_thread((bt, w)) <= 16]
+    configs += [default] if default not in configs else []
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    print(f"\ntune: fused mix alone, N={N} rows, D={D}, bf16 sources; {sms} SMs; "
+          f"default launch BT={default[0]}, num_warps={default[1]}, {fused.PROGRAMS_PER_SM} programs/SM")
+    summary = []
+    for S in TUNE_SOURCES:
+        gen = torch.Generator(device=device).manual_seed(S)
+        values = [torch.randn(1, N, D, generator=gen, device=device).to(torch.bfloat16) for _ in range(S)]
+        scales = [attnres.inv_rms(v, 1e-6) for v in values]
+        query = torch.randn(D, generator=gen, device=device) * 0.5
+        g_h = torch.randn(1, N, D, generator=gen, device=device).to(torch.bfloat16)
+        _, alpha = fused.mix_forward(values, scales, query)
+        fwd_gb = ((S + 1) * N * D * 2 + 2 * S * N * 4) / 1e9  # S reads, h write; r reads, alpha write
+        bwd_gb = ((2 * S + 1) * N * D * 2 + 3 * S * N * 4) / 1e9  # g_h + S reads, S writes; r, alpha, g_r
+        fwd, bwd = {}, {}
+        for cfg in configs:
+            fwd[cfg] = time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)
+            for pps in TUNE_PROGRAMS_PER_SM:
+                bwd[cfg, pps] = time_ms(lambda: fused.mix_backward(values, scales, query, alpha, g_h, launch=cfg,
+                                                                   programs=pps * sms), device, args.steps)
+        best_f, best_b = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
+        print(f"\nS={S}: forward moves {1e3 * fwd_gb:.1f} MB, backward {1e3 * bwd_gb:.1f} MB")
+        bwd_header = f"backward ms at {', '.join(map(str, TUNE_PROGRAMS_PER_SM))} programs/SM"
+        print(f"  BT warps elem/thr |   fwd ms   GB/s | {bwd_header:{10 * len(TUNE_PROGRAMS_PER_SM) - 1}} | GB/s")
+        for cfg in configs:
+            times = [bwd[cfg, p] for p in TUNE_PROGRAMS_PER_SM]
+            marks = ["*" if (cfg, p) == best_b else " " for p in TUNE_PROGRAMS_PER_SM]
+            print(f"{cfg[0]:4} {cfg[1]:5} {per_thread(cfg):8} | {fwd[cfg]:8.3f}{'*' if cfg == best_f else ' '}"
+                  f"{fwd_gb / fwd[cfg] * 1e3:6.0f} | " + " ".join(f"{t:8.3f}{m}" for t, m in zip(times, marks))
+                  + f" | {bwd_gb / min(times) * 1e3:4.0f}" + ("  <- default" if cfg == default else ""))
+        summary.append((S, fwd[default], fwd[best_f], best_f, bwd[default, fused.PROGRAMS_PER_SM],
+                        bwd[best_b], best_b))
+    print("\ndefault vs best (fwd ms; bwd ms)")
+    for S, f0, f1, cf, b0, b1, (cb, pps) in summary:
+        print(f"S={S}: fwd {f0:.3f} -> {f1:.3f} (BT={cf[0]}, warps={cf[1]}); bwd {b0:.3f} -> {b1:.3f} "
+              f"(BT={cb[0]}, warps={cb[1]}, {pps}/SM)")
 
 
 def print_table(rows: dict, cols: list[tuple[str, str, bool]]) -> None:
@@ -320,6 +477,15 @@ def main(argv=None):
                    help="CPU threads (default 1: on a shared machine, multi-threaded tiny ops time erratically)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model (as train.compile=true)")
     p.add_argument("--no-seam", action="store_true", help="skip the residual-alone micro-benchmark")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of the tables: torch.profiler over 3 steps of block_attnres' residual alone, "
+                        "top 15 CUDA kernels (CPU ops on CPU) by self time, busy vs wall time per step")
+    p.add_argument("--tune", action="store_true",
+                   help="instead of the tables (after --profile if given): time the fused mix kernels alone over "
+                        "launch configs, for 2, 5 and 9 bf16 sources [--tune-rows, --d-model]; on CPU only "
+                        "under TRITON_INTERPRET=1")
+    p.add_argument("--tune-rows", type=int, default=None,
+                   help="rows N of --tune's sources (their width is --d-model); default: 64 on CPU, 16384 on CUDA")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -335,6 +501,18 @@ def main(argv=None):
         torch.set_num_threads(args.threads or 1)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.profile or args.tune:
+        if args.tune and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--tune on CPU needs TRITON_INTERPRET=1")
+        args.tune_rows = args.tune_rows or (16384 if cuda else 64)
+        print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} torch={torch.__version__} "
+              f"layers={args.layers} d_model={args.d_model} batch={args.batch} seq={args.seq} dtype={args.dtype} "
+              f"block_size={args.block_size} compile={args.compile}")
+        if args.profile:
+            profile_seam(args, device)
+        if args.tune:
+            tune_mix(args, device)
+        return None
 
     base = ModelConfig(n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
                        residual=ResidualConfig(name="standard", block_size=args.block_size))

@@ -31,6 +31,7 @@ import triton.language as tl
 MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
 MAX_D = 8192
 TILE = 2048  # elements of one [BT, BD] tile: BT = TILE // BD rows per program (at least 1), 8 per thread
+PROGRAMS_PER_SM = 4  # programs of the backward's grid-stride loop per SM
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -114,11 +115,12 @@ def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, g_q, N, D, S: tl.constexpr, SP: t
     tl.store(g_q + pid * D + cols, gq, mask=cmask)
 
 
-def _blocks(D: int) -> tuple[int, int, int]:
-    """(BD, BT, num_warps) for width D."""
+def default_launch(D: int) -> tuple[int, int]:
+    """(rows per program BT, num_warps) for width D: a [BT, BD] tile of TILE elements (BD = D padded to a
+    power of two, BT at least 1), one warp per 256 elements of it, at most 32."""
     BD = triton.next_power_of_2(D)
     BT = max(1, TILE // BD)
-    return BD, BT, min(32, BD * BT // 256)
+    return BT, min(32, BD * BT // 256)
 
 
 def supported(values, inv_rms, query) -> bool:
@@ -134,20 +136,24 @@ def supported(values, inv_rms, query) -> bool:
 @functools.lru_cache(maxsize=None)
 def _programs_per_grid(device: torch.device) -> int:
     """Programs of the backward's grid-stride loop: a few per SM keep the g_q partial sums small."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    if device.type != "cuda":
+        return 2
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor],
-                query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, *,
+                launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
-    (dtype promoted over the values), alpha [S, B, T] fp32."""
+    (dtype promoted over the values), alpha [S, B, T] fp32. launch: (rows per program, num_warps),
+    default `default_launch(D)`; the results do not depend on it."""
     h, alpha = _empty_forward(values, inv_rms, query)
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    BD, BT, warps = _blocks(D)
+    BT, warps = launch or default_launch(D)
     _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(r.contiguous() for r in inv_rms), query.float().contiguous(),
-                                     h, alpha, N, D, S=S, SP=triton.next_power_of_2(S), BT=BT, BD=BD, num_warps=warps)
+                                     h, alpha, N, D, S=S, SP=triton.next_power_of_2(S), BT=BT,
+                                     BD=triton.next_power_of_2(D), num_warps=warps)
     return h, alpha
 
 
@@ -158,14 +164,18 @@ def _empty_forward(values, inv_rms, query):
 
 
 def mix_backward(
-    values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, alpha: torch.Tensor, g_h: torch.Tensor
+    values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, alpha: torch.Tensor,
+    g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, programs: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32."""
+    """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32.
+    launch: (rows per program, num_warps), default `default_launch(D)`; programs: size of the grid-stride
+    grid, default PROGRAMS_PER_SM per SM (2 off CUDA). g_q's summation order depends on both."""
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    BD, BT, warps = _blocks(D)
-    n_prog = min(triton.cdiv(N, BT), _programs_per_grid(values[0].device))
+    BT, warps = launch or default_launch(D)
+    BD = triton.next_power_of_2(D)
+    n_prog = min(triton.cdiv(N, BT), programs or _programs_per_grid(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
     g_q = alpha.new_empty(n_prog, D)
@@ -206,9 +216,13 @@ class _EagerMix(torch.autograd.Function):
 
 
 # Under torch.compile the op and its backward are custom ops, kept whole in the graph (no graph break).
-mix_op = torch.library.custom_op("k3lab::attnres_mix", mix_forward, mutates_args=())
+# Their schemas leave out the launch keywords (benchmark knobs that do not change the results).
+mix_op = torch.library.custom_op("k3lab::attnres_mix", mix_forward, mutates_args=(),
+                                 schema="(Tensor[] values, Tensor[] inv_rms, Tensor query) -> (Tensor, Tensor)")
 mix_op.register_fake(_empty_forward)
-mix_backward_op = torch.library.custom_op("k3lab::attnres_mix_backward", mix_backward, mutates_args=())
+mix_backward_op = torch.library.custom_op(
+    "k3lab::attnres_mix_backward", mix_backward, mutates_args=(),
+    schema="(Tensor[] values, Tensor[] inv_rms, Tensor query, Tensor alpha, Tensor g_h) -> (Tensor[], Tensor, Tensor)")
 mix_backward_op.register_fake(lambda values, inv_rms, query, alpha, g_h: (
     [torch.empty_like(v) for v in values], torch.empty_like(alpha), alpha.new_empty(query.shape[0])))
 mix_op.register_autograd(lambda ctx, g_h, _g_alpha: _grads(ctx, g_h, mix_backward_op),

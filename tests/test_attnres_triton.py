@@ -28,6 +28,7 @@ CASES = {
     "S3_fp32_embedding_bf16_blocks": (1, 9, 40, ["fp32", "bf16", "bf16"]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LAUNCH_CASES = ["S5", "S3_fp32_embedding_bf16_blocks"]  # run with a non-default launch config as well
 
 
 def make_inputs(B, T, D, dtypes, device="cpu", seed=0):
@@ -81,10 +82,22 @@ def compile_mismatches(inputs) -> list[str]:
     return bad
 
 
+def launched(values, scales, query, g_h, launch=None, programs=None) -> list:
+    """[h, alpha, g_values, g_inv_rms, g_query] straight from the launch helpers, with this launch config."""
+    from kernels.attnres import mix_backward, mix_forward
+
+    h, alpha = mix_forward(values, scales, query, launch=launch)
+    g_values, g_r, g_q = mix_backward(values, scales, query, alpha, g_h, launch=launch, programs=programs)
+    return [h, alpha, tuple(g_values), tuple(g_r), g_q]
+
+
 def _run_checks() -> dict:
     from kernels.attnres import mix_backward_op, mix_op
 
     out = {}
+    for name in LAUNCH_CASES:
+        inputs = make_inputs(*CASES[name])
+        out[f"launch_{name}"] = errors(launched(*inputs, launch=(1, 2), programs=3), launched(*inputs))
     for name, (B, T, D, dtypes) in CASES.items():
         inputs = make_inputs(B, T, D, dtypes)
         got = results_and_grads(lambda v, r, q: depth_softmax_mix(v, r, q, impl="triton"), *inputs)
@@ -115,6 +128,15 @@ def results():
 def test_interpreter_matches_float64_reference(results, case):
     """h, alpha and every gradient within 1e-4 (fp32 results) or 1e-2 (bf16 results), relative."""
     assert_close(results[case])
+
+
+@pytest.mark.parametrize("case", LAUNCH_CASES)
+def test_interpreter_launch_config(results, case):
+    """1 row per program and 3 backward programs (default here: 16 or 32 rows, at most 2 programs) give the
+    default's results bit for bit, but g_query, whose per-program partial sums split differently (within 1e-6)."""
+    errs = results[f"launch_{case}"]
+    assert all(e == 0 for name in NAMES[:-1] for e, _ in errs[name]), errs
+    assert errs["g_query"][0][0] < 1e-6, errs
 
 
 def test_custom_ops(results):
