@@ -60,12 +60,15 @@ def run_torch(q, k, v, z, bl, A_log, dt_bias, decay):
     return kda_gated_reference(q, k, v, z, bl, A_log, dt_bias, decay=decay, backend="torch")[0]
 
 
-def run_fla(q, k, v, z, bl, A_log, dt_bias, decay):
+def run_fla(q, k, v, z, bl, A_log, dt_bias, decay, **state):
+    """fla's chunk_kda with the same in-kernel gate, L2 norm and beta sigmoid; `state`: initial_state,
+    output_final_state. Returns o, or (o, final state) when `state` is given."""
     from fla.ops.kda import chunk_kda
 
     extra = dict(safe_gate=True, lower_bound=-5.0) if decay == "sigmoid" else {}
-    return chunk_kda(q, k, v, z, bl, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                     use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **extra)[0]
+    out = chunk_kda(q, k, v, z, bl, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **extra, **state)
+    return out if state else out[0]
 
 
 def run_sdpa(q, k, v, *_):
@@ -99,38 +102,53 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check_accuracy(device, B=1, T=1000, H=16, K=128, V=128):
-    """bf16 relative errors of kda_gated against the float64 recurrent reference, both maps."""
-    from kernels.kda import kda_recurrent
+def check_accuracy(device, B=1, T=1000, H=16, K=128, V=128, impls=("ours",)):
+    """bf16 relative errors against the float64 recurrent reference, both maps: rows of (impl, decay,
+    tensor, error, limit, ok). impls: "ours" (kda_gated) and/or "fla" (chunk_kda, same inputs)."""
     from kernels.kda.triton import kda_gated
 
     rows = []
-    for decay in ("sigmoid", "softplus"):
-        xs = make_inputs(B, T, H, K, V, decay, device, seed=11)
-        h0 = torch.randn(B, H, K, V, device=device, requires_grad=True)
-        o, ht = kda_gated(*xs, decay=decay, initial_state=h0, output_final_state=True)
-        do, dht = torch.randn_like(o), torch.randn_like(ht)
-        leaves = [x for x in xs if x is not None] + [h0]
-        got = [o, ht] + list(torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
-        ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
-        q, k, v, z, bl, A_log = ref_leaves[:6]
-        a = A_log.exp().view(1, 1, H, 1)
-        if decay == "sigmoid":
-            g = -5.0 * torch.sigmoid(a * z)
-        else:
-            g = -a * F.softplus(z + ref_leaves[6].view(1, 1, H, K))
-        ro, rht = kda_recurrent(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, torch.sigmoid(bl),
-                                initial_state=ref_leaves[-1], output_final_state=True)
-        ref = [ro, rht] + list(torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(),
-                                                   ref_leaves))
-        names = ["o", "final_state", "dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"]
-        names += ["ddt_bias"] if decay == "softplus" else []
-        names += ["dh0"]
-        limits = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3}
-        for n, x, y in zip(names, got, ref):
-            err = rel_err(x, y)
-            lim = limits.get(n, 2e-2)
-            rows.append((decay, n, err, lim, err < lim))
+    for impl in impls:
+        for decay in ("sigmoid", "softplus"):
+            xs = make_inputs(B, T, H, K, V, decay, device, seed=11)
+            h0 = torch.randn(B, H, K, V, device=device, requires_grad=True)
+            state = dict(initial_state=h0, output_final_state=True)
+            o, ht = kda_gated(*xs, decay=decay, **state) if impl == "ours" else run_fla(*xs, decay, **state)
+            rows += [(impl, *row) for row in _errors(xs, h0, o, ht, decay)]
+    return rows
+
+
+def _errors(xs, h0, o, ht, decay):
+    """(decay, tensor, relative error, limit, ok) of o, ht and every gradient of a bf16 call on the
+    make_inputs leaves xs and initial state h0, against the float64 recurrence on the same (rounded)
+    inputs. Limits: fla's own test thresholds."""
+    from kernels.kda import kda_recurrent
+
+    rows = []
+    H, K = xs[0].shape[-2:]
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    leaves = [x for x in xs if x is not None] + [h0]
+    # allow_unused: an implementation that gives some input no gradient shows as NaN, not a crash
+    got = [o, ht] + list(torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves, allow_unused=True))
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    q, k, v, z, bl, A_log = ref_leaves[:6]
+    a = A_log.exp().view(1, 1, H, 1)
+    if decay == "sigmoid":
+        g = -5.0 * torch.sigmoid(a * z)
+    else:
+        g = -a * F.softplus(z + ref_leaves[6].view(1, 1, H, K))
+    ro, rht = kda_recurrent(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, torch.sigmoid(bl),
+                            initial_state=ref_leaves[-1], output_final_state=True)
+    ref = [ro, rht] + list(torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(),
+                                               ref_leaves))
+    names = ["o", "final_state", "dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"]
+    names += ["ddt_bias"] if decay == "softplus" else []
+    names += ["dh0"]
+    limits = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3}
+    for n, x, y in zip(names, got, ref):
+        err = float("nan") if x is None else rel_err(x, y)
+        lim = limits.get(n, 2e-2)
+        rows.append((decay, n, err, lim, err < lim))
     return rows
 
 
@@ -191,10 +209,11 @@ def bench_kda(args):
             torch.cuda.empty_cache()
     lines.append("")
     if args.check:
-        rows = check_accuracy(device)
+        rows = check_accuracy(device, impls=("ours", "fla") if have_fla and args.fla else ("ours",))
         lines += ["## Accuracy: bf16 kernel vs float64 recurrent reference (B=1, T=1000, H=16, K=V=128)", "",
-                  "| decay | tensor | relative error | limit | ok |", "|---|---|---|---|---|"]
-        lines += [f"| {d} | {n} | {e:.2e} | {lim:.0e} | {'yes' if ok else 'NO'} |" for d, n, e, lim, ok in rows]
+                  "| impl | decay | tensor | relative error | limit | ok |", "|---|---|---|---|---|---|"]
+        lines += [f"| {i} | {d} | {n} | {e:.2e} | {lim:.0e} | {'yes' if ok else 'NO'} |"
+                  for i, d, n, e, lim, ok in rows]
         lines.append("")
         flush()
     text = "\n".join(lines) + "\n"

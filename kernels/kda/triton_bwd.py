@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision
+from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision, launch
 
 
 @triton.jit
@@ -88,12 +88,6 @@ def _bwd_local_v(
     cm_off = (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]
     Ti = tl.load(Tinv + cm_off)
     bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-    kk = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK)
-    qq = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK)
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
     dP = tl.zeros([BTC, BTC], dtype=tl.float32)
     dT = tl.zeros([BTC, BTC], dtype=tl.float32)
     dQ1 = tl.zeros([BTC, BK], dtype=tl.float32)
@@ -123,6 +117,13 @@ def _bwd_local_v(
                  (dXv * bt[:, None]).to(dv.dtype.element_ty), mask=(r[:, None] < T_local) & (cv[None, :] < V))
         db += tl.sum(dXv * vv, axis=1)
         dglast += tl.sum(h * dh, axis=1)
+    # the [BT, K] inputs are loaded only now, so they hold no registers during the V loop
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    kk = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK)
+    qq = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK)
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
     eG = tl.exp(Gc)
     ke = kk * eG
     dT += tl.dot(dW, tl.trans(ke * bt[:, None]), input_precision=PREC)
@@ -344,7 +345,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     V = v.shape[-1]
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
-    BK, BV = _pow2(K), min(64, _pow2(V))
+    BK = _pow2(K)
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
@@ -354,10 +355,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
-    BVS = min(32, BV)
+    BVS, opts = launch("bwd_state", V)
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, num_warps=4, num_stages=1)
+        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
@@ -366,9 +367,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dG_p = torch.empty_like(dq_p)
     dgl = torch.empty(B, H, NT, K, device=dev, dtype=f32)
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
+    BVL, opts = launch("bwd_local_v", V)
     _bwd_local_v[(NT, B * H)](
         q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BV, BT, prec, num_warps=8, num_stages=1)
+        float(scale), T, H, K, V, BK, BVL, BT, prec, **opts)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
@@ -382,7 +384,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
                               dummy if z is None else z, dummy if A_log is None else A_log,
                               dummy if dt_bias is None else dt_bias,
                               dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
-                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min), num_warps=8)
+                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min),
+                              **launch("bwd_local_k")[1])
     dA_log = dA_part.sum((0, 2)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt

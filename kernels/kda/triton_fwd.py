@@ -35,6 +35,26 @@ BC = 16  # sub-block size
 # g >= -5 guarantees: 15 steps of 5).
 SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 
+# Launch configuration per kernel (V-block width BV where the kernel tiles V, warps, pipeline stages).
+# Every choice computes the same result; only speed differs. `benchmarks/kda_tune.py` searches them on
+# a GPU (results and command in benchmarks/RESULTS_kda.md).
+LAUNCH = {
+    "intra": dict(num_warps=4),
+    "wy": dict(num_warps=4),
+    "state": dict(BV=32, num_warps=4, num_stages=2),
+    "output": dict(BV=64, num_warps=4),
+    "bwd_state": dict(BV=32, num_warps=4, num_stages=1),
+    "bwd_local_v": dict(BV=64, num_warps=8, num_stages=1),
+    "bwd_local_k": dict(num_warps=8),
+}
+
+
+def launch(name: str, V: int | None = None) -> tuple[int | None, dict]:
+    """(BV clipped to V's padded width, or None; the remaining Triton launch options) of kernel `name`."""
+    opts = dict(LAUNCH[name])
+    bv = opts.pop("BV", None)
+    return (None if bv is None else min(bv, _pow2(V))), opts
+
 
 @triton.jit
 def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
@@ -441,25 +461,25 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec,
-                        num_warps=4)
+                        **launch("intra")[1])
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, num_warps=4)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
     Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    BVS = min(32, BV)  # narrower V-blocks for the sequential pass: more programs in flight
+    BVS, opts = launch("state", V)  # the sequential pass: more V-blocks, more programs in flight
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
                                          dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
-                                         h0 is not None, ht is not None, prec, num_warps=4,
-                                         num_stages=2)
+                                         h0 is not None, ht is not None, prec, **opts)
     o = torch.empty_like(v)
-    _output[(NT, B * H, triton.cdiv(V, BV))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BV, BT, prec,
-                                             num_warps=4)
+    BVO, opts = launch("output", V)
+    _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
+                                              **opts)
     saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
     return o, ht, saved
 

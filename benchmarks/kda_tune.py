@@ -1,0 +1,104 @@
+"""Search the launch configurations of the Triton KDA kernels (``kernels.kda.triton_fwd.LAUNCH``) on a GPU.
+
+    python benchmarks/kda_tune.py [--shape 4,4096,16,128,128] [--reps 10] [--budget-s 300]
+
+Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
+warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
+before moving on. The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2
+norm and beta sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
+Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
+with the best table found so far. Every configuration computes the same result. Prints each trial as it
+lands, then the tuned table and both decay maps timed with the starting and the tuned table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.bench import make_inputs, run_ours, time_ms  # noqa: E402
+from kernels.kda import triton_fwd  # noqa: E402
+
+# candidate values per kernel and option (the current value is always among those tried)
+GRID = {
+    "bwd_local_v": dict(BV=[16, 32, 64], num_warps=[4, 8, 16], num_stages=[1, 2]),
+    "bwd_state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2]),
+    "bwd_local_k": dict(num_warps=[4, 8, 16]),
+    "state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    "wy": dict(num_warps=[2, 4, 8]),
+    "intra": dict(num_warps=[2, 4, 8]),
+    "output": dict(BV=[32, 64, 128], num_warps=[4, 8]),
+}
+
+
+def fwd_bwd_ms(shape, decay, reps) -> float:
+    """Forward+backward milliseconds of kda_gated under the current LAUNCH table."""
+    sets = [make_inputs(*shape, decay, "cuda", seed=s) for s in range(2)]
+    return time_ms(lambda *xs: run_ours(*xs, decay), sets, True, reps)
+
+
+def tune(shape, reps, budget_s) -> dict:
+    """Coordinate descent over GRID; returns the best LAUNCH table found (LAUNCH is left set to it)."""
+    start = time.monotonic()
+    best = fwd_bwd_ms(shape, "sigmoid", reps)
+    print(f"start: {best:.3f} ms  {triton_fwd.LAUNCH}", flush=True)
+    for kernel, options in GRID.items():
+        for option, values in options.items():
+            for value in values:
+                current = triton_fwd.LAUNCH[kernel].get(option)
+                if value == current:
+                    continue
+                if time.monotonic() - start > budget_s:
+                    print(f"budget of {budget_s} s spent; stopping the search", flush=True)
+                    return copy.deepcopy(triton_fwd.LAUNCH)
+                triton_fwd.LAUNCH[kernel][option] = value
+                try:
+                    ms = fwd_bwd_ms(shape, "sigmoid", reps)
+                except OutOfResources as err:  # e.g. shared memory for this tile: the value is skipped
+                    ms = float("inf")
+                    print(f"  {kernel}.{option}={value}: failed ({type(err).__name__}: {str(err)[:80]})")
+                keep = ms < best
+                print(f"  {kernel}.{option}={value}: {ms:.3f} ms {'(kept)' if keep else ''}  "
+                      f"[{time.monotonic() - start:.0f} s]", flush=True)
+                if keep:
+                    best = ms
+                else:
+                    triton_fwd.LAUNCH[kernel][option] = current
+    return copy.deepcopy(triton_fwd.LAUNCH)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 4096, 16, 128, 128),
+                   help="B,T,H,K,V")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kda_tune needs a CUDA device")
+    initial = copy.deepcopy(triton_fwd.LAUNCH)
+    tuned = tune(args.shape, args.reps, args.budget_s)
+    print("\ntuned LAUNCH = {", flush=True)
+    for name, opts in tuned.items():
+        print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
+    print("}\n\n| decay | starting table ms | tuned table ms | speed-up |\n|---|---|---|---|")
+    for decay in ("sigmoid", "softplus"):
+        triton_fwd.LAUNCH.clear()
+        triton_fwd.LAUNCH.update(copy.deepcopy(initial))
+        before = fwd_bwd_ms(args.shape, decay, args.reps)
+        triton_fwd.LAUNCH.clear()
+        triton_fwd.LAUNCH.update(copy.deepcopy(tuned))
+        after = fwd_bwd_ms(args.shape, decay, args.reps)
+        print(f"| {decay} | {before:.3f} | {after:.3f} | {before / after:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
