@@ -12,7 +12,10 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
 - forward ``_mix_fwd``: one read of each source, with an online softmax (running max m, running sum l,
   h rescaled as in flash attention), one write of h; alpha [S, B, T] fp32 is written at the end.
 - backward ``_mix_bwd``: one read of g_h and of each source (giving g_alpha_i = <g_h, v_i> and d_i),
-  then g_v_i = alpha_i g_h + g_logit_i r_i q written without reading v_i again. g_q = sum_i v_i^T
+  then g_v_i = alpha_i g_h + g_logit_i r_i q written without reading v_i again.
+  Per-source row scalars (logits; g_alpha_i and d_i) wait in small [S, N] scratch buffers between the
+  two passes over the sources rather than in a [BT, S] register tile, whose per-source selects and
+  reductions made some launch shapes many times slower (benchmarks/attnres_bench.py --tune). g_q = sum_i v_i^T
   (g_logit_i r_i) is accumulated in the same single read as sum_i a_i r_i (g_alpha_i v_i) -
   c sum_i a_i r_i v_i (c = sum_j alpha_j g_alpha_j, known only after all sources), per program over a
   grid-stride loop of row blocks, and the per-program partial sums [n_programs, D] are added in torch.
@@ -23,6 +26,8 @@ torch.compile the op and its backward are the custom ops ``k3lab::attnres_mix`` 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
@@ -36,81 +41,77 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _mix_fwd(vs, rs, q, h, alpha, N, D, S: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr,
-             BD: tl.constexpr):
-    """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D], alpha [S, N] fp32."""
+def _mix_fwd(vs, rs, q, h, alpha, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D], alpha [S, N] fp32.
+    logits [S, N] fp32 is scratch: the raw logits wait there until the running max and sum are final."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
-    src = tl.arange(0, SP)
     rmask = rows < N
     mask = rmask[:, None] & (cols[None, :] < D)
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     qv = tl.load(q + cols, mask=cols < D, other=0.0)
-    logits = tl.zeros([BT, SP], tl.float32)
     m = tl.full([BT], float("-inf"), tl.float32)
     l = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
     for i in tl.static_range(S):
         v = tl.load(vs[i] + offs, mask=mask, other=0.0).to(tl.float32)
         logit = tl.sum(v * qv[None, :], axis=1) * tl.load(rs[i] + rows, mask=rmask, other=0.0)
+        tl.store(logits + i * N + rows, logit, mask=rmask)
         m_new = tl.maximum(m, logit)
         c = tl.exp(m - m_new)
         p = tl.exp(logit - m_new)
         acc = acc * c[:, None] + p[:, None] * v
         l = l * c + p
         m = m_new
-        logits = tl.where(src[None, :] == i, logit[:, None], logits)
     tl.store(h + offs, (acc / l[:, None]).to(h.dtype.element_ty), mask=mask)
-    a = tl.exp(logits - m[:, None]) / l[:, None]
-    tl.store(alpha + src[None, :] * N + rows[:, None], a, mask=rmask[:, None] & (src[None, :] < S))
+    tl.debug_barrier()  # the logits stored above, by whichever threads held them, are visible to all
+    for i in tl.static_range(S):
+        logit = tl.load(logits + i * N + rows, mask=rmask, other=0.0)
+        tl.store(alpha + i * N + rows, tl.exp(logit - m) / l, mask=rmask)
 
 
 @triton.jit
-def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, g_q, N, D, S: tl.constexpr, SP: tl.constexpr,
-             BT: tl.constexpr, BD: tl.constexpr):
+def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, scratch, g_q, N, D, S: tl.constexpr, BT: tl.constexpr,
+             BD: tl.constexpr):
     """vs, rs, g_vs: S pointers to v_i [N, D], r_i [N], g_v_i [N, D]; q [D] fp32; alpha [S, N] fp32;
-    g_h [N, D] -> g_vs, g_r [S, N] fp32 and g_q [n_programs, D] fp32 (this program's partial sum)."""
+    g_h [N, D] -> g_vs, g_r [S, N] fp32 and g_q [n_programs, D] fp32 (this program's partial sum).
+    scratch [2, S, N] fp32 keeps g_alpha_i and d_i from the first pass over the sources for the second,
+    which needs c = sum_j alpha_j g_alpha_j first."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
-    src = tl.arange(0, SP)
     cmask = cols < D
     qv = tl.load(q + cols, mask=cmask, other=0.0)
     gq = tl.zeros([BD], tl.float32)
+    g_al, dots = scratch, scratch + S * N
     for blk in range(pid, tl.cdiv(N, BT), tl.num_programs(0)):
         rows = blk * BT + tl.arange(0, BT)
         rmask = rows < N
         mask = rmask[:, None] & cmask[None, :]
-        smask = rmask[:, None] & (src[None, :] < S)
         offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
         gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
-        al = tl.load(alpha + src[None, :] * N + rows[:, None], mask=smask, other=0.0)  # [BT, SP]
-        r = tl.zeros([BT, SP], tl.float32)
-        dots = tl.zeros([BT, SP], tl.float32)
-        g_al = tl.zeros([BT, SP], tl.float32)
+        c = tl.zeros([BT], tl.float32)
         av = tl.zeros([BT, BD], tl.float32)   # sum_i alpha_i r_i v_i
         agv = tl.zeros([BT, BD], tl.float32)  # sum_i alpha_i r_i g_alpha_i v_i
         for i in tl.static_range(S):
-            sel = src[None, :] == i
             v = tl.load(vs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
             r_i = tl.load(rs[i] + rows, mask=rmask, other=0.0)
             g_a = tl.sum(gh * v, axis=1)
-            r = tl.where(sel, r_i[:, None], r)
-            dots = tl.where(sel, tl.sum(v * qv[None, :], axis=1)[:, None], dots)
-            g_al = tl.where(sel, g_a[:, None], g_al)
-            arv = (tl.sum(tl.where(sel, al, 0.0), axis=1) * r_i)[:, None] * v
+            tl.store(g_al + i * N + rows, g_a, mask=rmask)
+            tl.store(dots + i * N + rows, tl.sum(v * qv[None, :], axis=1), mask=rmask)
+            c += a_i * g_a
+            arv = (a_i * r_i)[:, None] * v
             av += arv
             agv += g_a[:, None] * arv
-        c = tl.sum(al * g_al, axis=1)
-        g_logit = al * (g_al - c[:, None])                                           # [BT, SP]
-        tl.store(g_r + src[None, :] * N + rows[:, None], g_logit * dots, mask=smask)
         if S > 1:  # g_q = 0 exactly for one source (a rounding residue here would move q under Adam)
             gq += tl.sum(agv - c[:, None] * av, axis=0)
-        g_dot = g_logit * r
+        tl.debug_barrier()  # g_alpha and d of these rows, stored above, are visible to every thread
         for i in tl.static_range(S):
-            sel = src[None, :] == i
-            a_i = tl.sum(tl.where(sel, al, 0.0), axis=1)
-            gd_i = tl.sum(tl.where(sel, g_dot, 0.0), axis=1)
-            g_v = a_i[:, None] * gh + gd_i[:, None] * qv[None, :]
+            a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
+            r_i = tl.load(rs[i] + rows, mask=rmask, other=0.0)
+            g_logit = a_i * (tl.load(g_al + i * N + rows, mask=rmask, other=0.0) - c)
+            tl.store(g_r + i * N + rows, g_logit * tl.load(dots + i * N + rows, mask=rmask, other=0.0), mask=rmask)
+            g_v = a_i[:, None] * gh + (g_logit * r_i)[:, None] * qv[None, :]
             tl.store(g_vs[i] + offs, g_v.to(g_vs[i].dtype.element_ty), mask=mask)
     tl.store(g_q + pid * D + cols, gq, mask=cmask)
 
@@ -121,6 +122,29 @@ def default_launch(D: int) -> tuple[int, int]:
     BD = triton.next_power_of_2(D)
     BT = max(1, TILE // BD)
     return BT, min(32, BD * BT // 256)
+
+
+# Launch shapes per source count, measured on a GPU by `python -m benchmarks.attnres_bench --tune
+# --write-launch` (the file records where and how). Source counts it does not list use default_launch.
+LAUNCH_FILE = Path(__file__).with_name("attnres_launch.json")
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    return json.loads(LAUNCH_FILE.read_text()) if LAUNCH_FILE.exists() else {}
+
+
+def tuned_launch(kind: str, S: int, D: int) -> tuple[int, ...]:
+    """Launch shape of the `kind` ("forward" or "backward") kernel for S sources of width D: (rows per
+    program, num_warps) for the forward, plus programs per SM for the backward. From LAUNCH_FILE, with the
+    warps scaled to keep the elements per thread when D's padded width differs from the tuned one."""
+    table = _tuned_table()
+    entry = table.get(kind, {}).get(str(S))
+    if entry is None:
+        return default_launch(D) + (() if kind == "forward" else (PROGRAMS_PER_SM,))
+    rows, warps, *rest = entry
+    scale = triton.next_power_of_2(D) / triton.next_power_of_2(table["d_model"])
+    return (rows, int(min(16, max(1, warps * scale))), *rest)
 
 
 def supported(values, inv_rms, query) -> bool:
@@ -134,26 +158,25 @@ def supported(values, inv_rms, query) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _programs_per_grid(device: torch.device) -> int:
-    """Programs of the backward's grid-stride loop: a few per SM keep the g_q partial sums small."""
-    if device.type != "cuda":
-        return 2
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter's grid stays small)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, *,
                 launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
     (dtype promoted over the values), alpha [S, B, T] fp32. launch: (rows per program, num_warps),
-    default `default_launch(D)`; the results do not depend on it."""
+    default `tuned_launch`; the results do not depend on it."""
     h, alpha = _empty_forward(values, inv_rms, query)
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    BT, warps = launch or default_launch(D)
+    BT, warps = launch or tuned_launch("forward", S, D)
+    logits = torch.empty_like(alpha)
     _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(r.contiguous() for r in inv_rms), query.float().contiguous(),
-                                     h, alpha, N, D, S=S, SP=triton.next_power_of_2(S), BT=BT,
-                                     BD=triton.next_power_of_2(D), num_warps=warps)
+                                     h, alpha, logits, N, D, S=S, BT=BT, BD=triton.next_power_of_2(D),
+                                     num_warps=warps)
     return h, alpha
 
 
@@ -168,20 +191,22 @@ def mix_backward(
     g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, programs: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32.
-    launch: (rows per program, num_warps), default `default_launch(D)`; programs: size of the grid-stride
-    grid, default PROGRAMS_PER_SM per SM (2 off CUDA). g_q's summation order depends on both."""
+    launch: (rows per program, num_warps) and programs (size of the grid-stride grid) default to
+    `tuned_launch`. g_q's summation order depends on both, nothing else does."""
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    BT, warps = launch or default_launch(D)
+    tuned = tuned_launch("backward", S, D)
+    BT, warps = launch or tuned[:2]
     BD = triton.next_power_of_2(D)
-    n_prog = min(triton.cdiv(N, BT), programs or _programs_per_grid(values[0].device))
+    n_prog = min(triton.cdiv(N, BT), programs or tuned[2] * _sm_count(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
+    scratch = alpha.new_empty(2, *alpha.shape)
     g_q = alpha.new_empty(n_prog, D)
     _mix_bwd[(n_prog,)](tuple(values), tuple(r.contiguous() for r in inv_rms), tuple(g_values),
-                        query.float().contiguous(), alpha, g_h.contiguous(), g_r, g_q, N, D, S=S,
-                        SP=triton.next_power_of_2(S), BT=BT, BD=BD, num_warps=warps)
+                        query.float().contiguous(), alpha, g_h.contiguous(), g_r, scratch, g_q, N, D, S=S,
+                        BT=BT, BD=BD, num_warps=warps)
     return g_values, g_r, g_q.sum(0)
 
 

@@ -149,6 +149,21 @@ def test_interpreter_torch_compile_fullgraph(results):
     assert results["compile_mismatches"] == []
 
 
+def test_tuned_launch_table(monkeypatch):
+    """Source counts in the table get its launch (warps rescaled with D's padded width, so the elements per
+    thread stay the same); the others the default rule."""
+    from kernels import attnres as fused
+
+    table = {"d_model": 1024, "forward": {"3": [1, 2]}, "backward": {"3": [2, 4, 16]}}
+    monkeypatch.setattr(fused, "_tuned_table", lambda: table)
+    assert fused.tuned_launch("forward", 3, 1024) == (1, 2)
+    assert fused.tuned_launch("backward", 3, 1000) == (2, 4, 16)       # 1000 pads to 1024
+    assert fused.tuned_launch("forward", 3, 4096) == (1, 8)
+    assert fused.tuned_launch("backward", 3, 256) == (2, 1, 16)
+    assert fused.tuned_launch("forward", 4, 1024) == fused.default_launch(1024)
+    assert fused.tuned_launch("backward", 4, 1024) == (*fused.default_launch(1024), fused.PROGRAMS_PER_SM)
+
+
 def test_dispatch():
     """CPU values take the torch Function under impl="auto"; what the kernels cannot take is refused
     under impl="triton" (fp64 values, more than MAX_SOURCES sources) before any launch."""
