@@ -33,7 +33,7 @@ GRID = {
     "bwd_state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2]),
     "bwd_local_k": dict(num_warps=[4, 8, 16]),
     "state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
-    "wy": dict(num_warps=[2, 4, 8]),
+    "wy": dict(num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "intra": dict(num_warps=[2, 4, 8]),
     "output": dict(BV=[32, 64, 128], num_warps=[4, 8]),
 }
