@@ -392,10 +392,9 @@ def parse_sources(text: str) -> list[int]:
 def tune_mix(args, device) -> None:
     """Time the fused mix alone (`mix_forward`, `mix_backward`) on S random bf16 sources [N, D] (N =
     --tune-rows, D = --d-model) for S in --tune-sources, over launch configs (rows per program BT, num_warps)
-    from TUNE_ROWS x TUNE_WARPS with 2..16 elements of a [BT, BD] tile per thread, plus the launch in use
-    (`kernels.attnres.tuned_launch`); the backward also over programs per SM. Per S a table, best marked
-    with *, then the launch in use against the best; --write-launch stores the best per S in
-    kernels/attnres_launch.json, which the kernels then use."""
+    from TUNE_ROWS x TUNE_WARPS with 2..16 elements of a [BT, BD] tile per thread, plus the default
+    (`kernels.attnres.default_launch`); the backward also over programs per SM. Per S a table, best marked
+    with *, then the default against the best."""
     import triton
 
     from kernels import attnres as fused
@@ -409,11 +408,11 @@ def tune_mix(args, device) -> None:
     grid = [(bt, w) for bt in TUNE_ROWS for w in TUNE_WARPS if 2 <= per_thread((bt, w)) <= 16]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     print(f"\ntune: fused mix alone, N={N} rows, D={D}, bf16 sources; {sms} SMs")
-    summary, best_fwd, best_bwd = [], {}, {}
+    default = fused.default_launch(D)
+    configs = grid + ([default] if default not in grid else [])
+    pps_list = sorted(set(TUNE_PROGRAMS_PER_SM) | {fused.PROGRAMS_PER_SM})
+    summary = []
     for S in parse_sources(args.tune_sources):
-        in_use_f, in_use_b = fused.tuned_launch("forward", S, D), fused.tuned_launch("backward", S, D)
-        configs = grid + list(dict.fromkeys(c for c in (in_use_f, in_use_b[:2]) if c not in grid))
-        pps_list = sorted(set(TUNE_PROGRAMS_PER_SM) | {in_use_b[2]})
         gen = torch.Generator(device=device).manual_seed(S)
         values = [torch.randn(1, N, D, generator=gen, device=device).to(torch.bfloat16) for _ in range(S)]
         scales = [attnres.inv_rms(v, 1e-6) for v in values]
@@ -429,32 +428,20 @@ def tune_mix(args, device) -> None:
                 bwd[cfg, pps] = time_ms(lambda: fused.mix_backward(values, scales, query, alpha, g_h, launch=cfg,
                                                                    programs=pps * sms), device, args.steps)
         best_f, best_b = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
-        best_fwd[str(S)], best_bwd[str(S)] = list(best_f), [*best_b[0], best_b[1]]
         print(f"\nS={S}: forward moves {1e3 * fwd_gb:.1f} MB, backward {1e3 * bwd_gb:.1f} MB")
         bwd_header = f"backward ms at {', '.join(map(str, pps_list))} programs/SM"
         print(f"  BT warps elem/thr |   fwd ms   GB/s | {bwd_header:{10 * len(pps_list) - 1}} | GB/s")
         for cfg in configs:
             times = [bwd[cfg, p] for p in pps_list]
             marks = ["*" if (cfg, p) == best_b else " " for p in pps_list]
-            used = [name for name, c in (("fwd", in_use_f), ("bwd", in_use_b[:2])) if c == cfg]
             print(f"{cfg[0]:4} {cfg[1]:5} {per_thread(cfg):8} | {fwd[cfg]:8.3f}{'*' if cfg == best_f else ' '}"
                   f"{fwd_gb / fwd[cfg] * 1e3:6.0f} | " + " ".join(f"{t:8.3f}{m}" for t, m in zip(times, marks))
-                  + f" | {bwd_gb / min(times) * 1e3:4.0f}" + (f"  <- in use ({', '.join(used)})" if used else ""))
-        summary.append((S, fwd[in_use_f], fwd[best_f], bwd[in_use_b[:2], in_use_b[2]], bwd[best_b]))
-    print("\nin use vs best, ms (forward; backward)")
-    for S, f0, f1, b0, b1 in summary:
-        print(f"S={S}: fwd {f0:.3f} -> {f1:.3f} {best_fwd[str(S)]}; bwd {b0:.3f} -> {b1:.3f} {best_bwd[str(S)]}")
-    if args.write_launch:
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-        table = {"measured": f"{where}, N={N}, D={D}, bf16 sources, {time.strftime('%Y-%m-%d')}",
-                 "command": "python -m benchmarks.attnres_bench --device cuda --tune --write-launch "
-                            f"--tune-sources {args.tune_sources}",
-                 "d_model": D, "forward": best_fwd, "backward": best_bwd,
-                 "format": "forward: S -> [rows per program, num_warps]; backward: S -> [rows, num_warps, "
-                           "programs per SM]"}
-        items = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in table.items()]
-        fused.LAUNCH_FILE.write_text("{\n" + ",\n".join(items) + "\n}\n")
-        print(f"wrote {fused.LAUNCH_FILE}")
+                  + f" | {bwd_gb / min(times) * 1e3:4.0f}" + ("  <- default" if cfg == default else ""))
+        summary.append((S, fwd[default], fwd[best_f], best_f, bwd[default, fused.PROGRAMS_PER_SM], bwd[best_b], best_b))
+    print("\ndefault vs best, ms (forward; backward)")
+    for S, f0, f1, cf, b0, b1, (cb, pps) in summary:
+        print(f"S={S}: fwd {f0:.3f} -> {f1:.3f} (BT={cf[0]}, warps={cf[1]}); bwd {b0:.3f} -> {b1:.3f} "
+              f"(BT={cb[0]}, warps={cb[1]}, {pps}/SM)")
 
 
 def print_table(rows: dict, cols: list[tuple[str, str, bool]]) -> None:
@@ -505,8 +492,6 @@ def main(argv=None):
                         "launch configs, for --tune-sources bf16 sources [--tune-rows, --d-model]; on CPU only "
                         "under TRITON_INTERPRET=1")
     p.add_argument("--tune-sources", default="1-10", help="source counts for --tune, e.g. 1-10 or 2,5,9")
-    p.add_argument("--write-launch", action="store_true",
-                   help="with --tune: store the best launch per source count in kernels/attnres_launch.json")
     p.add_argument("--tune-rows", type=int, default=None,
                    help="rows N of --tune's sources (their width is --d-model); default: 64 on CPU, 16384 on CUDA")
     args = p.parse_args(argv)

@@ -26,8 +26,6 @@ torch.compile the op and its backward are the custom ops ``k3lab::attnres_mix`` 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import torch
 import triton
@@ -35,8 +33,12 @@ import triton.language as tl
 
 MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
 MAX_D = 8192
-TILE = 2048  # elements of one [BT, BD] tile: BT = TILE // BD rows per program (at least 1), 8 per thread
-PROGRAMS_PER_SM = 4  # programs of the backward's grid-stride loop per SM
+# Launch shape: one token row per program, 16 elements of it per thread, and 16 programs per SM for the
+# backward's grid-stride loop. On the H200 (D = 1024, 1 to 10 sources, `attnres_bench --tune`; log in
+# benchmarks/logs/attnres_tune_h200.txt) this is within 2% of the best shape tried for 4 to 10 sources
+# and within 0.02 ms of it for 1 to 3.
+ELEMENTS_PER_THREAD = 16
+PROGRAMS_PER_SM = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -117,34 +119,9 @@ def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, scratch, g_q, N, D, S: tl.constex
 
 
 def default_launch(D: int) -> tuple[int, int]:
-    """(rows per program BT, num_warps) for width D: a [BT, BD] tile of TILE elements (BD = D padded to a
-    power of two, BT at least 1), one warp per 256 elements of it, at most 32."""
-    BD = triton.next_power_of_2(D)
-    BT = max(1, TILE // BD)
-    return BT, min(32, BD * BT // 256)
-
-
-# Launch shapes per source count, measured on a GPU by `python -m benchmarks.attnres_bench --tune
-# --write-launch` (the file records where and how). Source counts it does not list use default_launch.
-LAUNCH_FILE = Path(__file__).with_name("attnres_launch.json")
-
-
-@functools.cache
-def _tuned_table() -> dict:
-    return json.loads(LAUNCH_FILE.read_text()) if LAUNCH_FILE.exists() else {}
-
-
-def tuned_launch(kind: str, S: int, D: int) -> tuple[int, ...]:
-    """Launch shape of the `kind` ("forward" or "backward") kernel for S sources of width D: (rows per
-    program, num_warps) for the forward, plus programs per SM for the backward. From LAUNCH_FILE, with the
-    warps scaled to keep the elements per thread when D's padded width differs from the tuned one."""
-    table = _tuned_table()
-    entry = table.get(kind, {}).get(str(S))
-    if entry is None:
-        return default_launch(D) + (() if kind == "forward" else (PROGRAMS_PER_SM,))
-    rows, warps, *rest = entry
-    scale = triton.next_power_of_2(D) / triton.next_power_of_2(table["d_model"])
-    return (rows, int(min(16, max(1, warps * scale))), *rest)
+    """(rows per program BT, num_warps) for width D: one row, ELEMENTS_PER_THREAD of its padded width per
+    thread (at least one warp, at most 32)."""
+    return 1, max(1, min(32, triton.next_power_of_2(D) // (32 * ELEMENTS_PER_THREAD)))
 
 
 def supported(values, inv_rms, query) -> bool:
@@ -167,12 +144,12 @@ def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: 
                 launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
     (dtype promoted over the values), alpha [S, B, T] fp32. launch: (rows per program, num_warps),
-    default `tuned_launch`; the results do not depend on it."""
+    default `default_launch(D)`; the results do not depend on it."""
     h, alpha = _empty_forward(values, inv_rms, query)
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    BT, warps = launch or tuned_launch("forward", S, D)
+    BT, warps = launch or default_launch(D)
     logits = torch.empty_like(alpha)
     _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(r.contiguous() for r in inv_rms), query.float().contiguous(),
                                      h, alpha, logits, N, D, S=S, BT=BT, BD=triton.next_power_of_2(D),
@@ -191,15 +168,14 @@ def mix_backward(
     g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, programs: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32.
-    launch: (rows per program, num_warps) and programs (size of the grid-stride grid) default to
-    `tuned_launch`. g_q's summation order depends on both, nothing else does."""
+    launch: (rows per program, num_warps), default `default_launch(D)`; programs: size of the grid-stride
+    grid, default PROGRAMS_PER_SM per SM. g_q's summation order depends on both, nothing else does."""
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
-    tuned = tuned_launch("backward", S, D)
-    BT, warps = launch or tuned[:2]
+    BT, warps = launch or default_launch(D)
     BD = triton.next_power_of_2(D)
-    n_prog = min(triton.cdiv(N, BT), programs or tuned[2] * _sm_count(values[0].device))
+    n_prog = min(triton.cdiv(N, BT), programs or PROGRAMS_PER_SM * _sm_count(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
     scratch = alpha.new_empty(2, *alpha.shape)

@@ -307,6 +307,21 @@ def test_fused_backward_gradcheck():
     assert torch.autograd.gradcheck(op, (q, *vs))
 
 
+def test_inv_rms_backward():
+    """inv_rms' one-pass backward passes gradcheck (float64) and, for bf16 v, matches autograd through the
+    plain formula in float64 to bf16 rounding."""
+    g = torch.Generator().manual_seed(6)
+    v = torch.randn(2, 3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: inv_rms(x, EPS), (v,))
+    vb = (torch.randn(4, 5, 64, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    g_r = torch.randn(4, 5, 1, generator=g)
+    (got,) = torch.autograd.grad(inv_rms(vb, EPS), vb, g_r)
+    v64 = vb.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.rsqrt(v64.square().mean(-1, keepdim=True) + EPS), v64, g_r.double())
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.float32, torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16,) * 3])
 def test_fused_matches_autograd_in_low_precision(dtypes):

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["h", "alpha", "g_values", "g_inv_rms", "g_query"]
 LIMIT = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error of a result, by its dtype
 
-# name: (B, T, D, value dtypes). D = 96 pads to 128 (16 rows per program), B*T = 74 leaves a ragged
-# block and gives the 2 backward programs of the interpreter several blocks each.
+# name: (B, T, D, value dtypes). D = 96 pads to 128; B*T = 74 rows give the interpreter's 16 backward
+# programs (one row per block) several blocks each, and a non-power-of-two count.
 CASES = {
     "S1": (2, 37, 96, ["fp32"]),
     "S2": (2, 37, 96, ["fp32"] * 2),
@@ -147,21 +147,6 @@ def test_custom_ops(results):
 def test_interpreter_torch_compile_fullgraph(results):
     """torch.compile(fullgraph=True, inductor) of a seam around the mix: no graph break, eager results."""
     assert results["compile_mismatches"] == []
-
-
-def test_tuned_launch_table(monkeypatch):
-    """Source counts in the table get its launch (warps rescaled with D's padded width, so the elements per
-    thread stay the same); the others the default rule."""
-    from kernels import attnres as fused
-
-    table = {"d_model": 1024, "forward": {"3": [1, 2]}, "backward": {"3": [2, 4, 16]}}
-    monkeypatch.setattr(fused, "_tuned_table", lambda: table)
-    assert fused.tuned_launch("forward", 3, 1024) == (1, 2)
-    assert fused.tuned_launch("backward", 3, 1000) == (2, 4, 16)       # 1000 pads to 1024
-    assert fused.tuned_launch("forward", 3, 4096) == (1, 8)
-    assert fused.tuned_launch("backward", 3, 256) == (2, 1, 16)
-    assert fused.tuned_launch("forward", 4, 1024) == fused.default_launch(1024)
-    assert fused.tuned_launch("backward", 4, 1024) == (*fused.default_launch(1024), fused.PROGRAMS_PER_SM)
 
 
 def test_dispatch():
