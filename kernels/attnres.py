@@ -10,15 +10,17 @@ The sources stay separate tensors: they reach the kernels as a tuple of pointers
 constant, the source loop is unrolled), so nothing is stacked. One program owns BT token rows and the
 whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
 - forward ``_mix_fwd``: one read of each source, with an online softmax (running max m, running sum l,
-  h rescaled as in flash attention), one write of h; alpha [S, B, T] fp32 is written at the end.
-- backward ``_mix_bwd``: one read of g_h and of each source (giving g_alpha_i = <g_h, v_i> and d_i),
-  then g_v_i = alpha_i g_h + g_logit_i r_i q written without reading v_i again.
-  Per-source row scalars (logits; g_alpha_i and d_i) wait in small [S, N] scratch buffers between the
-  two passes over the sources rather than in a [BT, S] register tile, whose per-source selects and
-  reductions made some launch shapes many times slower (benchmarks/attnres_bench.py --tune). g_q = sum_i v_i^T
-  (g_logit_i r_i) is accumulated in the same single read as sum_i a_i r_i (g_alpha_i v_i) -
-  c sum_i a_i r_i v_i (c = sum_j alpha_j g_alpha_j, known only after all sources), per program over a
-  grid-stride loop of row blocks, and the per-program partial sums [n_programs, D] are added in torch.
+  h rescaled as in flash attention), one write of h and of the raw logits [S, B, T] fp32, whose softmax
+  over the sources (a small torch op) is alpha.
+- backward, two kernels: ``_mix_bwd_scores`` reads g_h and each source once (giving g_alpha_i =
+  <g_h, v_i> and d_i into [S, N] buffers, c = sum_j alpha_j g_alpha_j and g_q, below);
+  ``_mix_bwd_values`` reads g_h again and writes g_v_i = alpha_i g_h + g_logit_i r_i q without reading
+  v_i. The per-source row scalars cross between the passes through global memory at a kernel boundary:
+  kept in a [BT, S] register tile (an earlier version) their per-source selects made some launch shapes
+  many times slower, and passed through memory inside one kernel they raced with the loop pipelining.
+  g_q = sum_i v_i^T (g_logit_i r_i) is accumulated in the first pass's single read as
+  sum_i a_i r_i (g_alpha_i v_i) - c sum_i a_i r_i v_i, per program over a grid-stride loop of row
+  blocks, and the per-program partial sums [n_programs, D] are added in torch.
 Nothing is saved for backward but the inputs and alpha. Eager calls go through an autograd.Function; under
 torch.compile the op and its backward are the custom ops ``k3lab::attnres_mix`` and
 ``k3lab::attnres_mix_backward``, which stay whole in the graph (no graph break).
@@ -43,9 +45,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _mix_fwd(vs, rs, q, h, alpha, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D], alpha [S, N] fp32.
-    logits [S, N] fp32 is scratch: the raw logits wait there until the running max and sum are final."""
+def _mix_fwd(vs, rs, q, h, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D] and the raw logits [S, N]
+    fp32 (alpha is their softmax over the sources, taken by the caller)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     rmask = rows < N
@@ -66,25 +68,19 @@ def _mix_fwd(vs, rs, q, h, alpha, logits, N, D, S: tl.constexpr, BT: tl.constexp
         l = l * c + p
         m = m_new
     tl.store(h + offs, (acc / l[:, None]).to(h.dtype.element_ty), mask=mask)
-    tl.debug_barrier()  # the logits stored above, by whichever threads held them, are visible to all
-    for i in tl.static_range(S):
-        logit = tl.load(logits + i * N + rows, mask=rmask, other=0.0)
-        tl.store(alpha + i * N + rows, tl.exp(logit - m) / l, mask=rmask)
 
 
 @triton.jit
-def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, scratch, g_q, N, D, S: tl.constexpr, BT: tl.constexpr,
-             BD: tl.constexpr):
-    """vs, rs, g_vs: S pointers to v_i [N, D], r_i [N], g_v_i [N, D]; q [D] fp32; alpha [S, N] fp32;
-    g_h [N, D] -> g_vs, g_r [S, N] fp32 and g_q [n_programs, D] fp32 (this program's partial sum).
-    scratch [2, S, N] fp32 keeps g_alpha_i and d_i from the first pass over the sources for the second,
-    which needs c = sum_j alpha_j g_alpha_j first."""
+def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, dots, c_out, g_q, N, D, S: tl.constexpr,
+                    BT: tl.constexpr, BD: tl.constexpr):
+    """First backward pass, a grid-stride loop over row blocks: g_alpha_i = <g_h, v_i> and d_i = q . v_i
+    ([S, N] fp32 each), c = sum_i alpha_i g_alpha_i [N], and this program's partial sum [n_programs, D] of
+    g_q = sum_i v_i^T (g_logit_i r_i) = sum_i alpha_i r_i (g_alpha_i - c) v_i."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
     qv = tl.load(q + cols, mask=cmask, other=0.0)
     gq = tl.zeros([BD], tl.float32)
-    g_al, dots = scratch, scratch + S * N
     for blk in range(pid, tl.cdiv(N, BT), tl.num_programs(0)):
         rows = blk * BT + tl.arange(0, BT)
         rmask = rows < N
@@ -99,23 +95,38 @@ def _mix_bwd(vs, rs, g_vs, q, alpha, g_h, g_r, scratch, g_q, N, D, S: tl.constex
             a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
             r_i = tl.load(rs[i] + rows, mask=rmask, other=0.0)
             g_a = tl.sum(gh * v, axis=1)
-            tl.store(g_al + i * N + rows, g_a, mask=rmask)
+            tl.store(g_alpha + i * N + rows, g_a, mask=rmask)
             tl.store(dots + i * N + rows, tl.sum(v * qv[None, :], axis=1), mask=rmask)
             c += a_i * g_a
             arv = (a_i * r_i)[:, None] * v
             av += arv
             agv += g_a[:, None] * arv
+        tl.store(c_out + rows, c, mask=rmask)
         if S > 1:  # g_q = 0 exactly for one source (a rounding residue here would move q under Adam)
             gq += tl.sum(agv - c[:, None] * av, axis=0)
-        tl.debug_barrier()  # g_alpha and d of these rows, stored above, are visible to every thread
-        for i in tl.static_range(S):
-            a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
-            r_i = tl.load(rs[i] + rows, mask=rmask, other=0.0)
-            g_logit = a_i * (tl.load(g_al + i * N + rows, mask=rmask, other=0.0) - c)
-            tl.store(g_r + i * N + rows, g_logit * tl.load(dots + i * N + rows, mask=rmask, other=0.0), mask=rmask)
-            g_v = a_i[:, None] * gh + (g_logit * r_i)[:, None] * qv[None, :]
-            tl.store(g_vs[i] + offs, g_v.to(g_vs[i].dtype.element_ty), mask=mask)
     tl.store(g_q + pid * D + cols, gq, mask=cmask)
+
+
+@triton.jit
+def _mix_bwd_values(rs, g_vs, q, alpha, g_h, g_alpha, dots, c_in, g_r, N, D, S: tl.constexpr,
+                    BT: tl.constexpr, BD: tl.constexpr):
+    """Second backward pass, BT rows per program: g_logit_i = alpha_i (g_alpha_i - c), g_r_i = g_logit_i d_i
+    [S, N] fp32 and g_v_i = alpha_i g_h + g_logit_i r_i q [N, D], without reading v_i."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols[None, :] < D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    qv = tl.load(q + cols, mask=cols < D, other=0.0)
+    gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(c_in + rows, mask=rmask, other=0.0)
+    for i in tl.static_range(S):
+        a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
+        g_logit = a_i * (tl.load(g_alpha + i * N + rows, mask=rmask, other=0.0) - c)
+        tl.store(g_r + i * N + rows, g_logit * tl.load(dots + i * N + rows, mask=rmask, other=0.0), mask=rmask)
+        g_dot = g_logit * tl.load(rs[i] + rows, mask=rmask, other=0.0)
+        g_v = a_i[:, None] * gh + g_dot[:, None] * qv[None, :]
+        tl.store(g_vs[i] + offs, g_v.to(g_vs[i].dtype.element_ty), mask=mask)
 
 
 def default_launch(D: int) -> tuple[int, int]:
@@ -145,16 +156,14 @@ def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: 
     """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
     (dtype promoted over the values), alpha [S, B, T] fp32. launch: (rows per program, num_warps),
     default `default_launch(D)`; the results do not depend on it."""
-    h, alpha = _empty_forward(values, inv_rms, query)
+    h, logits = _empty_forward(values, inv_rms, query)
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
     BT, warps = launch or default_launch(D)
-    logits = torch.empty_like(alpha)
     _mix_fwd[(triton.cdiv(N, BT),)](tuple(values), tuple(r.contiguous() for r in inv_rms), query.float().contiguous(),
-                                     h, alpha, logits, N, D, S=S, BT=BT, BD=triton.next_power_of_2(D),
-                                     num_warps=warps)
-    return h, alpha
+                                     h, logits, N, D, S=S, BT=BT, BD=triton.next_power_of_2(D), num_warps=warps)
+    return h, torch.softmax(logits, dim=0)
 
 
 def _empty_forward(values, inv_rms, query):
@@ -167,7 +176,8 @@ def mix_backward(
     values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, alpha: torch.Tensor,
     g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, programs: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Launch `_mix_bwd`: -> g_values S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32.
+    """Launch `_mix_bwd_scores` then `_mix_bwd_values`: -> g_values S x [B, T, D] (the values' dtypes),
+    g_r [S, B, T] fp32, g_q [D] fp32.
     launch: (rows per program, num_warps), default `default_launch(D)`; programs: size of the grid-stride
     grid, default PROGRAMS_PER_SM per SM. g_q's summation order depends on both, nothing else does."""
     values = [v.contiguous() for v in values]
@@ -178,11 +188,14 @@ def mix_backward(
     n_prog = min(triton.cdiv(N, BT), programs or PROGRAMS_PER_SM * _sm_count(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
-    scratch = alpha.new_empty(2, *alpha.shape)
+    g_alpha, dots = torch.empty_like(alpha), torch.empty_like(alpha)
+    c = alpha.new_empty(N)
     g_q = alpha.new_empty(n_prog, D)
-    _mix_bwd[(n_prog,)](tuple(values), tuple(r.contiguous() for r in inv_rms), tuple(g_values),
-                        query.float().contiguous(), alpha, g_h.contiguous(), g_r, scratch, g_q, N, D, S=S,
-                        BT=BT, BD=BD, num_warps=warps)
+    rs, q, g_h = tuple(r.contiguous() for r in inv_rms), query.float().contiguous(), g_h.contiguous()
+    _mix_bwd_scores[(n_prog,)](tuple(values), rs, q, alpha, g_h, g_alpha, dots, c, g_q, N, D, S=S, BT=BT, BD=BD,
+                               num_warps=warps)
+    _mix_bwd_values[(triton.cdiv(N, BT),)](rs, tuple(g_values), q, alpha, g_h, g_alpha, dots, c, g_r, N, D, S=S,
+                                           BT=BT, BD=BD, num_warps=warps)
     return g_values, g_r, g_q.sum(0)
 
 

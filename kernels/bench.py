@@ -182,7 +182,7 @@ def bench_kda(args):
     impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
     for shape in args.shapes:
         B, T, H, K, V = shape
-        for decay in ("sigmoid", "softplus"):
+        for decay in args.decays:
             sets = [make_inputs(B, T, H, K, V, decay, device, seed=s) for s in range(3)]
             res = {}
             for name, fn in impls:
@@ -236,8 +236,11 @@ def main(argv=None):
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="B,T,H,K,V (repeatable); default: the two issue shapes")
+    p.add_argument("--decay", dest="decays", action="append", choices=["sigmoid", "softplus"],
+                   help="decay map to time (repeatable); default: both")
     args = p.parse_args(argv)
     args.shapes = args.shapes or SHAPES
+    args.decays = args.decays or ["sigmoid", "softplus"]
     if not torch.cuda.is_available():
         raise SystemExit("the kda benchmark needs a CUDA device")
     print(f"python {platform.python_version()}", file=sys.stderr)
