@@ -13,7 +13,7 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
   h rescaled as in flash attention), one write of h and of the raw logits [S, B, T] fp32, whose softmax
   over the sources (a small torch op) is alpha.
 - backward, two kernels: ``_mix_bwd_scores`` reads g_h and each source once (giving g_alpha_i =
-  <g_h, v_i> and d_i into [S, N] buffers, c = sum_j alpha_j g_alpha_j and g_q, below);
+  <g_h, v_i> and d_i into [S, N] buffers, and g_q, below);
   ``_mix_bwd_values`` reads g_h again and writes g_v_i = alpha_i g_h + g_logit_i r_i q without reading
   v_i. The per-source row scalars cross between the passes through global memory at a kernel boundary:
   kept in a [BT, S] register tile (an earlier version) their per-source selects made some launch shapes
@@ -71,11 +71,11 @@ def _mix_fwd(vs, rs, q, h, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: 
 
 
 @triton.jit
-def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, dots, c_out, g_q, N, D, S: tl.constexpr,
+def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, dots, g_q, N, D, S: tl.constexpr,
                     BT: tl.constexpr, BD: tl.constexpr):
     """First backward pass, a grid-stride loop over row blocks: g_alpha_i = <g_h, v_i> and d_i = q . v_i
-    ([S, N] fp32 each), c = sum_i alpha_i g_alpha_i [N], and this program's partial sum [n_programs, D] of
-    g_q = sum_i v_i^T (g_logit_i r_i) = sum_i alpha_i r_i (g_alpha_i - c) v_i."""
+    ([S, N] fp32 each), and this program's partial sum [n_programs, D] of
+    g_q = sum_i v_i^T (g_logit_i r_i) = sum_i alpha_i r_i (g_alpha_i - c) v_i, c = sum_j alpha_j g_alpha_j."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -101,17 +101,18 @@ def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, dots, c_out, g_q, N, D, S: t
             arv = (a_i * r_i)[:, None] * v
             av += arv
             agv += g_a[:, None] * arv
-        tl.store(c_out + rows, c, mask=rmask)
         if S > 1:  # g_q = 0 exactly for one source (a rounding residue here would move q under Adam)
             gq += tl.sum(agv - c[:, None] * av, axis=0)
     tl.store(g_q + pid * D + cols, gq, mask=cmask)
 
 
 @triton.jit
-def _mix_bwd_values(rs, g_vs, q, alpha, g_h, g_alpha, dots, c_in, g_r, N, D, S: tl.constexpr,
-                    BT: tl.constexpr, BD: tl.constexpr):
+def _mix_bwd_values(rs, g_vs, q, alpha, g_h, g_alpha, dots, g_r, N, D, S: tl.constexpr, BT: tl.constexpr,
+                    BD: tl.constexpr):
     """Second backward pass, BT rows per program: g_logit_i = alpha_i (g_alpha_i - c), g_r_i = g_logit_i d_i
-    [S, N] fp32 and g_v_i = alpha_i g_h + g_logit_i r_i q [N, D], without reading v_i."""
+    [S, N] fp32 and g_v_i = alpha_i g_h + g_logit_i r_i q [N, D], without reading v_i. g_alpha_i - c is
+    summed as sum_j alpha_j (g_alpha_i - g_alpha_j): for a source holding nearly all the weight, g_alpha_i
+    and c agree in most of their digits, and their fp32 difference lost them (4% error in its g_r_i)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     rmask = rows < N
@@ -119,10 +120,15 @@ def _mix_bwd_values(rs, g_vs, q, alpha, g_h, g_alpha, dots, c_in, g_r, N, D, S: 
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     qv = tl.load(q + cols, mask=cols < D, other=0.0)
     gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(c_in + rows, mask=rmask, other=0.0)
     for i in tl.static_range(S):
         a_i = tl.load(alpha + i * N + rows, mask=rmask, other=0.0)
-        g_logit = a_i * (tl.load(g_alpha + i * N + rows, mask=rmask, other=0.0) - c)
+        g_a = tl.load(g_alpha + i * N + rows, mask=rmask, other=0.0)
+        centred = tl.zeros([BT], tl.float32)  # g_alpha_i - c
+        for j in tl.static_range(S):
+            if j != i:
+                a_j = tl.load(alpha + j * N + rows, mask=rmask, other=0.0)
+                centred += a_j * (g_a - tl.load(g_alpha + j * N + rows, mask=rmask, other=0.0))
+        g_logit = a_i * centred
         tl.store(g_r + i * N + rows, g_logit * tl.load(dots + i * N + rows, mask=rmask, other=0.0), mask=rmask)
         g_dot = g_logit * tl.load(rs[i] + rows, mask=rmask, other=0.0)
         g_v = a_i[:, None] * gh + g_dot[:, None] * qv[None, :]
@@ -189,12 +195,11 @@ def mix_backward(
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
     g_alpha, dots = torch.empty_like(alpha), torch.empty_like(alpha)
-    c = alpha.new_empty(N)
     g_q = alpha.new_empty(n_prog, D)
     rs, q, g_h = tuple(r.contiguous() for r in inv_rms), query.float().contiguous(), g_h.contiguous()
-    _mix_bwd_scores[(n_prog,)](tuple(values), rs, q, alpha, g_h, g_alpha, dots, c, g_q, N, D, S=S, BT=BT, BD=BD,
+    _mix_bwd_scores[(n_prog,)](tuple(values), rs, q, alpha, g_h, g_alpha, dots, g_q, N, D, S=S, BT=BT, BD=BD,
                                num_warps=warps)
-    _mix_bwd_values[(triton.cdiv(N, BT),)](rs, tuple(g_values), q, alpha, g_h, g_alpha, dots, c, g_r, N, D, S=S,
+    _mix_bwd_values[(triton.cdiv(N, BT),)](rs, tuple(g_values), q, alpha, g_h, g_alpha, dots, g_r, N, D, S=S,
                                            BT=BT, BD=BD, num_warps=warps)
     return g_values, g_r, g_q.sum(0)
 

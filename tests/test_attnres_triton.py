@@ -18,6 +18,10 @@ from k3lab.model.attnres import _DepthSoftmaxMix, depth_softmax_mix, depth_softm
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["h", "alpha", "g_values", "g_inv_rms", "g_query"]
 LIMIT = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error of a result, by its dtype
+# except g_inv_rms: where one source holds nearly all the weight, its g_logit is a small difference of large
+# numbers. On bf16_S16_D8192 (at 20 rows) fp32 PyTorch autograd is off by 0.196 there, the kernels' pairwise
+# form (kernels/attnres.py, _mix_bwd_values) by 1.05e-4 under the interpreter.
+LIMIT_G_INV_RMS = 1e-3
 
 # name: (B, T, D, value dtypes). D = 96 pads to 128; B*T = 74 rows give the interpreter's 16 backward
 # programs (one row per block) several blocks each, and a non-power-of-two count.
@@ -26,6 +30,9 @@ CASES = {
     "S2": (2, 37, 96, ["fp32"] * 2),
     "S5": (2, 37, 96, ["fp32"] * 5),
     "S3_fp32_embedding_bf16_blocks": (1, 9, 40, ["fp32", "bf16", "bf16"]),
+    # sources scaled 1..8: most rows put nearly all the weight on one source; the plain difference
+    # g_alpha_i - c gave g_inv_rms 3.0e-3 here, the pairwise form 1.1e-6
+    "S8_peaked_softmax": (1, 8, 256, ["bf16"] * 8),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAUNCH_CASES = ["S5", "S3_fp32_embedding_bf16_blocks"]  # run with a non-default launch config as well
@@ -115,7 +122,8 @@ def _run_checks() -> dict:
 
 
 def assert_close(errs: dict):
-    bad = {n: e for n, es in errs.items() for e, dt in es if not e < LIMIT[getattr(torch, dt.split(".")[1])]}
+    bad = {n: e for n, es in errs.items() for e, dt in es
+           if not e < (LIMIT_G_INV_RMS if n == "g_inv_rms" else LIMIT[getattr(torch, dt.split(".")[1])])}
     assert not bad, errs
 
 
