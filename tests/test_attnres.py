@@ -322,6 +322,28 @@ def test_inv_rms_backward():
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def test_peaked_softmax_backward_keeps_its_digits():
+    """Sources of growing scale put nearly all of a row's weight on one source. There the fp32 gradient of
+    its 1/rms is a small difference of large numbers: the op's pairwise form stays within 1e-3 of float64,
+    plain fp32 autograd (softmax backward: alpha * (g - sum alpha g)) does not."""
+    g = torch.Generator().manual_seed(0)
+    vs = [torch.randn(1, 20, 8192, generator=g) * (1 + i) for i in range(16)]
+    q = torch.randn(8192, generator=g) * 0.5
+    g_h = torch.randn(1, 20, 8192, generator=g)
+
+    def g_inv_rms(mix, dtype):
+        rs = [inv_rms(v.to(dtype), EPS).detach().requires_grad_() for v in vs]
+        h, _ = mix([v.to(dtype) for v in vs], rs, q.to(dtype))
+        return torch.stack(torch.autograd.grad((h * g_h.to(dtype)).sum(), rs)).double().flatten(1)  # [S, T]
+
+    def worst_source_error(got, ref):
+        return ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+
+    ref = g_inv_rms(depth_softmax_mix_autograd, torch.float64)
+    assert worst_source_error(g_inv_rms(depth_softmax_mix, torch.float32), ref) < 1e-3
+    assert worst_source_error(g_inv_rms(depth_softmax_mix_autograd, torch.float32), ref) > 1e-2
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.float32, torch.bfloat16, torch.bfloat16),
                                     (torch.bfloat16,) * 3])
 def test_fused_matches_autograd_in_low_precision(dtypes):

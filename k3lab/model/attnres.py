@@ -99,7 +99,7 @@ class _DepthSoftmaxMix(torch.autograd.Function):
     saved but the inputs, alpha [S, B, T] and the raw scores [S, B, T].
 
     With d_i = q . v_i, logit_i = d_i r_i, alpha = softmax(logit), h = sum_i alpha_i v_i:
-      g_alpha_i = <g_h, v_i>,  g_logit = alpha * (g_alpha - sum_j alpha_j g_alpha_j),
+      g_alpha_i = <g_h, v_i>,  g_logit = alpha * (g_alpha - sum_j alpha_j g_alpha_j),  (summed pairwise)
       g_v_i = alpha_i g_h + g_logit_i r_i q,  g_r_i = g_logit_i d_i,  g_q = sum_i v_i^T (g_logit_i r_i).
     """
 
@@ -125,7 +125,10 @@ class _DepthSoftmaxMix(torch.autograd.Function):
         values, scales = tensors[:n], tensors[n:]
         acc = alpha.dtype
         g_alpha = torch.stack([torch.linalg.vecdot(g_h, v.to(g_h.dtype)).to(acc) for v in values])  # [S, B, T]
-        g_logit = alpha * (g_alpha - (alpha * g_alpha).sum(0, keepdim=True))
+        # g_alpha_i - sum_j alpha_j g_alpha_j, summed pairwise: for a source with nearly all the weight the
+        # plain difference cancels most digits (as in kernels/attnres.py, _mix_bwd_values)
+        centred = (alpha.unsqueeze(0) * (g_alpha.unsqueeze(1) - g_alpha.unsqueeze(0))).sum(1)       # [S, B, T]
+        g_logit = alpha * centred
         scale = torch.stack(scales).squeeze(-1).to(acc)
         g_dot = g_logit * scale                                                        # [S, B, T]
         g_q = torch.zeros_like(query, dtype=acc)
