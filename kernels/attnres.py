@@ -45,14 +45,21 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _row_block(blk, N, D, BT: tl.constexpr, BD: tl.constexpr):
+    """Rows blk*BT .. blk*BT+BT of a row-major [N, D] tensor: rows [BT], their mask, the [BT, BD] tile's
+    mask and element offsets (int64)."""
+    rows = blk * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    rmask = rows < N
+    return rows, rmask, rmask[:, None] & (cols[None, :] < D), rows.to(tl.int64)[:, None] * D + cols[None, :]
+
+
+@triton.jit
 def _mix_fwd(vs, rs, q, h, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """vs, rs: S pointers to v_i [N, D] and r_i [N]; q [D] fp32 -> h [N, D] and the raw logits [S, N]
     fp32 (alpha is their softmax over the sources, taken by the caller)."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rows, rmask, mask, offs = _row_block(tl.program_id(0), N, D, BT, BD)
     cols = tl.arange(0, BD)
-    rmask = rows < N
-    mask = rmask[:, None] & (cols[None, :] < D)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     qv = tl.load(q + cols, mask=cols < D, other=0.0)
     m = tl.full([BT], float("-inf"), tl.float32)
     l = tl.zeros([BT], tl.float32)
@@ -82,10 +89,7 @@ def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, dots, g_q, N, D, S: tl.const
     qv = tl.load(q + cols, mask=cmask, other=0.0)
     gq = tl.zeros([BD], tl.float32)
     for blk in range(pid, tl.cdiv(N, BT), tl.num_programs(0)):
-        rows = blk * BT + tl.arange(0, BT)
-        rmask = rows < N
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        rows, rmask, mask, offs = _row_block(blk, N, D, BT, BD)
         gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
         c = tl.zeros([BT], tl.float32)
         av = tl.zeros([BT, BD], tl.float32)   # sum_i alpha_i r_i v_i
@@ -113,11 +117,8 @@ def _mix_bwd_values(rs, g_vs, q, alpha, g_h, g_alpha, dots, g_r, N, D, S: tl.con
     [S, N] fp32 and g_v_i = alpha_i g_h + g_logit_i r_i q [N, D], without reading v_i. g_alpha_i - c is
     summed as sum_j alpha_j (g_alpha_i - g_alpha_j): for a source holding nearly all the weight, g_alpha_i
     and c agree in most of their digits, and their fp32 difference lost them (4% error in its g_r_i)."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    rows, rmask, mask, offs = _row_block(tl.program_id(0), N, D, BT, BD)
     cols = tl.arange(0, BD)
-    rmask = rows < N
-    mask = rmask[:, None] & (cols[None, :] < D)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     qv = tl.load(q + cols, mask=cols < D, other=0.0)
     gh = tl.load(g_h + offs, mask=mask, other=0.0).to(tl.float32)
     for i in tl.static_range(S):
