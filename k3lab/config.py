@@ -92,6 +92,7 @@ class MixerConfig:
 @dataclass
 class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
+    recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
 
 
 @dataclass

@@ -48,10 +48,14 @@ def make_inputs(B, T, H, K, V, decay, device, dtype=torch.bfloat16, seed=0):
     return xs + [A_log.requires_grad_(), None if dt_bias is None else dt_bias.requires_grad_()]
 
 
-def run_ours(q, k, v, z, bl, A_log, dt_bias, decay):
+def run_ours(q, k, v, z, bl, A_log, dt_bias, decay, recompute_states=False):
     from kernels.kda.triton import kda_gated
 
-    return kda_gated(q, k, v, z, bl, A_log, dt_bias, decay=decay)[0]
+    return kda_gated(q, k, v, z, bl, A_log, dt_bias, decay=decay, recompute_states=recompute_states)[0]
+
+
+def run_ours_recompute(*xs):
+    return run_ours(*xs, recompute_states=True)
 
 
 def run_torch(q, k, v, z, bl, A_log, dt_bias, decay):
@@ -96,6 +100,22 @@ def time_ms(fn, input_sets, backward, reps, warmup=3):
             if isinstance(x, torch.Tensor):
                 x.grad = None
     return statistics.median(times)
+
+
+def saved_mb(fn, xs) -> float:
+    """MB of the distinct tensors autograd keeps for the backward of one call fn(*xs), inputs excluded."""
+    inputs = {x.untyped_storage().data_ptr() for x in xs if isinstance(x, torch.Tensor)}
+    sizes = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in inputs:
+            sizes[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*xs)
+    return sum(sizes.values()) / 2**20
 
 
 def rel_err(a, b):
@@ -176,9 +196,10 @@ def bench_kda(args):
 
     flush()
     lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
-              "| shape B,T,H,K,V | decay | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | ours/fla fwd | ours/fla fwd+bwd |",
-              "|---|---|---|---|---|---|---|---|"]
-    impls = [("ours (triton)", run_ours)] + ([("fla chunk_kda", run_fla)] if have_fla and args.fla else [])
+              "| shape B,T,H,K,V | decay | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | saved MB | ours/fla fwd | ours/fla fwd+bwd |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    impls = [("ours (triton)", run_ours)] + ([("ours, recompute states", run_ours_recompute)] if args.recompute else [])
+    impls += [("fla chunk_kda", run_fla)] if have_fla and args.fla else []
     impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
     for shape in args.shapes:
         B, T, H, K, V = shape
@@ -195,16 +216,18 @@ def bench_kda(args):
                 try:
                     f = time_ms(call, sets, False, args.reps)
                     fb = time_ms(call, sets, True, args.reps)
+                    mb = saved_mb(call, sets[0])
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
-                    f = fb = float("nan")
-                res[name] = (f, fb)
-                print(f"  measured {name}, {decay}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms", flush=True)
-            ours, ref = res["ours (triton)"], res.get("fla chunk_kda")
-            for name, (f, fb) in res.items():
-                ratio = (f"{ours[0] / ref[0]:.2f}", f"{ours[1] / ref[1]:.2f}") if (ref and name == "ours (triton)") else ("", "")
+                    f = fb = mb = float("nan")
+                res[name] = (f, fb, mb)
+                print(f"  measured {name}, {decay}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms, saved {mb:.0f} MB",
+                      flush=True)
+            ref = res.get("fla chunk_kda")
+            for name, (f, fb, mb) in res.items():
+                ratio = (f"{f / ref[0]:.2f}", f"{fb / ref[1]:.2f}") if (ref and name.startswith("ours")) else ("", "")
                 lines.append(f"| {B},{T},{H},{K},{V} | {decay if name != 'causal SDPA' else '-'} | {name} | "
-                             f"{f:.2f} | {fb:.2f} | {B * T / fb / 1e3:.1f} | {ratio[0]} | {ratio[1]} |")
+                             f"{f:.2f} | {fb:.2f} | {B * T / fb / 1e3:.1f} | {mb:.0f} | {ratio[0]} | {ratio[1]} |")
             flush()
             torch.cuda.empty_cache()
     lines.append("")
@@ -236,6 +259,8 @@ def main(argv=None):
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="B,T,H,K,V (repeatable); default: the two issue shapes")
+    p.add_argument("--recompute", action="store_true",
+                   help="also time ours with recompute_states (chunk states recomputed in the backward)")
     p.add_argument("--decay", dest="decays", action="append", choices=["sigmoid", "softplus"],
                    help="decay map to time (repeatable); default: both")
     args = p.parse_args(argv)

@@ -148,3 +148,22 @@ def test_fla_backend_names_the_missing_package():
     x = make_inputs(1, 4, 1, 16, 16)
     with pytest.raises(ImportError, match="fla-core"):
         kda(*x[:5], backend="fla")
+
+
+def test_model_layer_passes_kernel_options(monkeypatch):
+    """kernels.backend and kernels.recompute_states reach kernels.kda.kda from the model's KDA layer."""
+    from k3lab.config import KernelsConfig, ModelConfig
+    from k3lab.model import kda as kda_layer
+
+    seen = {}
+    real = kda_layer.kda
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kda_layer, "kda", spy)
+    cfg = ModelConfig(n_layers=4, d_model=128, head_dim=64,
+                      kernels=KernelsConfig(backend="torch", recompute_states=True))
+    kda_layer.KDA(cfg)(torch.randn(1, 10, 128))
+    assert seen["backend"] == "torch" and seen["recompute_states"] is True

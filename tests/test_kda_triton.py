@@ -99,6 +99,29 @@ def _run_checks() -> dict:
     triton_fwd.LAUNCH.update(saved_launch)
     out["launch_table"] = {n: rel(a.double(), b.double()) for n, a, b in zip(NAMES, narrow, default)}
 
+    # recompute_states: the backward reruns the state pass instead of reading the kept states; same results
+    # (bitwise), and the saved tensors shrink by exactly the chunk states Hs [B, H, NT, K, V] fp32
+    inputs = [x.float() for x in make_inputs(1, 150, 2, 32, 16, "moderate", seed=13)]
+
+    def saved_bytes_and_results(recompute):
+        sizes = {}
+
+        def pack(t):
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results = outputs_and_grads(partial(kda_triton, recompute_states=recompute), inputs)
+        return sum(sizes.values()), results
+
+    kept_bytes, kept = saved_bytes_and_results(False)
+    recomputed_bytes, recomputed = saved_bytes_and_results(True)
+    out["recompute_states"] = {
+        "max_abs_difference": max((a - b).abs().max().item() for a, b in zip(kept, recomputed)),
+        "saved_bytes_difference": kept_bytes - recomputed_bytes,
+        "state_bytes": 1 * 2 * 3 * 32 * 16 * 4,  # B * H * NT * K * V * 4 with NT = ceil(150 / 64)
+    }
+
     # causality: inputs at t >= P changed, outputs before P must not move
     q, k, v, g, beta, h0 = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=8)]
     o1, _ = kda_triton(q, k, v, g, beta, initial_state=h0)
@@ -130,6 +153,14 @@ def test_launch_table_changes_nothing(results):
     errs = results["launch_table"]
     assert len(errs) >= 8
     assert all(e < 1e-6 for e in errs.values()), errs
+
+
+def test_recompute_states_same_results_less_memory(results):
+    """With recompute_states the backward gives bitwise the same gradients and the forward keeps exactly
+    the chunk states' bytes less."""
+    r = results["recompute_states"]
+    assert r["max_abs_difference"] == 0.0
+    assert r["saved_bytes_difference"] == r["state_bytes"]
 
 
 def test_unbounded_gate_picks_the_split_per_chunk(results):

@@ -55,6 +55,7 @@ class KDA(nn.Module):
         D, H, K = cfg.width, cfg.n_heads, cfg.head_dim
         self.n_heads, self.head_dim, self.decay = H, K, cfg.decay
         self.backend = cfg.kernels.backend
+        self.recompute_states = cfg.kernels.recompute_states
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * K, bias=False)
@@ -94,6 +95,6 @@ class KDA(nn.Module):
         # the sigmoid map bounds g below by g_min: with g_min >= -5 the Triton/fla kernels may run every
         # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1)
         safe = self.decay.name == "sigmoid" and self.decay.g_min >= -5
-        o, _ = kda(q, k, v, g, beta, backend=self.backend, safe_gate=safe)
+        o, _ = kda(q, k, v, g, beta, backend=self.backend, safe_gate=safe, recompute_states=self.recompute_states)
         o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj(o.reshape(B, T, H * K))

@@ -56,6 +56,7 @@ def kda(
     output_final_state: bool = False,
     backend: str = "auto",
     safe_gate: bool = False,
+    recompute_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA.
 
@@ -65,6 +66,9 @@ def kda(
     ``output_final_state``). backend: "auto" (Triton on CUDA tensors when available, else torch),
     "torch", "triton" or "fla". ``safe_gate=True`` promises g >= -5 (the sigmoid map with g_min = -5):
     the triton and fla kernels then run their diagonal sub-blocks as tensor-core matmuls.
+    ``recompute_states=True`` makes the triton backward recompute the chunk states instead of keeping
+    them from the forward (less activation memory, one more sequential pass); the torch and fla backends
+    keep their own saving policy and ignore it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -80,4 +84,5 @@ def kda(
         from .triton import kda_triton
     except ImportError as e:
         raise ImportError(f"kda backend 'triton' is unavailable: {e}") from e
-    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate)
+    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate,
+                      recompute_states=recompute_states)

@@ -36,7 +36,7 @@ class KDATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                safe_gate, gate, g_min, fuse_prep):
+                safe_gate, gate, g_min, fuse_prep, recompute_states):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         ctx.dtypes = (q.dtype, k.dtype, beta.dtype)
         rq = rk = None
@@ -45,7 +45,8 @@ class KDATritonFunction(torch.autograd.Function):
         # matmul precision follows v: exact fp32 for fp32 values, tf32 tensor cores for bf16/fp16
         ctx.prec = dot_precision(v.dtype)
         o, ht, saved = kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-                               gate=GATES[gate], A_log=A_log, dt_bias=dt_bias, g_min=g_min, prec=ctx.prec)
+                               gate=GATES[gate], A_log=A_log, dt_bias=dt_bias, g_min=g_min, prec=ctx.prec,
+                               recompute_states=recompute_states)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, rq, rk, *saved.values())
         ctx.saved_names = list(saved)
         ctx.scale, ctx.safe_gate, ctx.gate, ctx.g_min, ctx.fuse_prep = scale, safe_gate, gate, g_min, fuse_prep
@@ -64,22 +65,26 @@ class KDATritonFunction(torch.autograd.Function):
             dA_log = dA_log.to(A_log.dtype)
         if ddt is not None:
             ddt = ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
-        return (dq, dk, dv, dg.to(g.dtype), dbeta, dA_log, ddt, dh0, None, None, None, None, None, None)
+        return (dq, dk, dv, dg.to(g.dtype), dbeta, dA_log, ddt, dh0, None, None, None, None, None, None, None)
 
 
-def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, safe_gate=False):
+def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, safe_gate=False,
+               recompute_states=False):
     """Chunkwise KDA on CUDA (or under TRITON_INTERPRET=1 on CPU). Shapes as ``kernels.kda.kda``:
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32.
-    Returns o [B, T, H, V] (dtype of v) and the float32 final state (or None)."""
+    Returns o [B, T, H, V] (dtype of v) and the float32 final state (or None). recompute_states: the
+    backward recomputes the chunk states instead of keeping them (less memory, one more sequential pass;
+    ``triton_fwd.kda_fwd``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float()
     return KDATritonFunction.apply(q, k, v, g, beta, None, None, initial_state, float(scale),
-                                   bool(output_final_state), bool(safe_gate), "none", 0.0, False)
+                                   bool(output_final_state), bool(safe_gate), "none", 0.0, False,
+                                   bool(recompute_states))
 
 
 def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0, scale=None,
-              initial_state=None, output_final_state=False, use_qk_l2norm=True):
+              initial_state=None, output_final_state=False, use_qk_l2norm=True, recompute_states=False):
     """KDA with the gate fused: q, k [B, T, H, K] raw (L2-normalised here when ``use_qk_l2norm``),
     v [B, T, H, V], z [B, T, H, K] the gate pre-activation, beta_logits [B, T, H], A_log [H],
     dt_bias [H * K] (softplus only). decay="sigmoid" runs the bounded (tensor-core) path."""
@@ -96,7 +101,7 @@ def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_m
     safe = decay == "sigmoid" and g_min >= -5.0
     return KDATritonFunction.apply(q, k, v, z, beta, A_log, dt_bias if decay == "softplus" else None,
                                    initial_state, float(scale), bool(output_final_state), safe, decay,
-                                   float(g_min), bool(use_qk_l2norm))
+                                   float(g_min), bool(use_qk_l2norm), bool(recompute_states))
 
 
 def kda_gated_reference(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0,

@@ -1,7 +1,8 @@
 """Triton backward kernels for chunkwise KDA (notation of ``triton_fwd.py``; arXiv:2510.26692).
 
-The forward stores the chunk-entry states S_n (fp32) and delta, so the backward does not recompute
-them (measured choice: see benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
+By default the forward stores the chunk-entry states S_n (fp32) and delta for the backward; with
+``recompute_states`` it keeps U instead and the backward reruns the sequential ``_state`` pass (less
+memory for one more pass: benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
 leaving the chunk and Kd = K * e^{G_last - G}:
 
     d delta = P^T dO + Kd dS'                                         (``_bwd_state``, reverse pass)
@@ -20,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision, launch
+from .triton_fwd import (BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision, launch,
+                         state_pass)
 
 
 @triton.jit
@@ -349,7 +351,12 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Safe, At, P, Tinv, W, Hs, Dl = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Hs", "Dl"))
+    G, Safe, At, P, Tinv, W = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W"))
+    if "Hs" in saved:
+        Hs, Dl = saved["Hs"], saved["Dl"]
+    else:  # the forward kept U instead (recompute_states): one more sequential pass
+        h0 = None if initial_state is None else initial_state.contiguous()
+        Hs, Dl, _ = state_pass(k, W, saved["U"], G, h0, prec, False)
     do = do.contiguous()
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)

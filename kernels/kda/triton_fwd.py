@@ -435,11 +435,33 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def state_pass(k, W, U, G, h0, prec, output_final_state):
+    """The sequential ``_state`` pass: chunk-entry states Hs [B, H, NT, K, V] and delta Dl [B, T, H, V]
+    (float32), and the final state [B, H, K, V] or None. Used by the forward, and by the backward when
+    the forward did not keep Hs and Dl (``recompute_states``)."""
+    import torch
+
+    B, T, H, K = k.shape
+    V = U.shape[-1]
+    NT = triton.cdiv(T, BT)
+    Hs = torch.empty(B, H, NT, K, V, device=k.device, dtype=torch.float32)
+    Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
+    ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
+    BVS, opts = launch("state", V)  # the sequential pass: more V-blocks, more programs in flight
+    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
+                                         T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
+                                         **opts)
+    return Hs, Dl, ht
+
+
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None):
+            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
     """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
     gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
     prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
+    recompute_states: keep U [B, T, H, V] for the backward instead of the chunk states Hs
+    [B, H, NT, K, V] and delta [B, T, H, V], which the backward then recomputes with one more ``_state``
+    pass (saves K / 64 times delta's size: 268 MB per call at B=4, T=4096, H=16, K=V=128).
     Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
     import torch
 
@@ -468,19 +490,14 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     U = torch.empty(B, T, H, V, device=dev, dtype=f32)
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
-    Hs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
-    Dl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    ht = torch.empty(B, H, K, V, device=dev, dtype=f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    BVS, opts = launch("state", V)  # the sequential pass: more V-blocks, more programs in flight
-    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, dummy if h0 is None else h0, Hs, Dl,
-                                         dummy if ht is None else ht, T, H, K, V, BK, BVS, BT,
-                                         h0 is not None, ht is not None, prec, **opts)
+    Hs, Dl, ht = state_pass(k, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
     _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
                                               **opts)
-    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Hs=Hs, Dl=Dl)
+    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W)
+    saved.update(dict(U=U) if recompute_states else dict(Hs=Hs, Dl=Dl))
     return o, ht, saved
 
 
