@@ -37,8 +37,9 @@ MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sour
 MAX_D = 8192
 # Launch shape: one token row per program, 16 elements of it per thread, and 16 programs per SM for the
 # backward's grid-stride loop. On the H200 (D = 1024, 1 to 10 sources, `attnres_bench --tune`; log in
-# benchmarks/logs/attnres_tune_h200.txt) this is within 2% of the best shape tried for 4 to 10 sources
-# and within 0.02 ms of it for 1 to 3.
+# benchmarks/logs/attnres_tune_h200.txt) this was within 2% of the best shape tried for 4 to 10 sources
+# and within 0.02 ms of it for 1 to 3, measured on the one-kernel backward of commit 015483c; the
+# two-kernel backward that replaced it does the same per-row work and has not been re-tuned.
 ELEMENTS_PER_THREAD = 16
 PROGRAMS_PER_SM = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
