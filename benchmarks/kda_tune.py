@@ -4,7 +4,7 @@
 
 Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
 warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
-before moving on. The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2
+before moving on if it beats the current time by more than --min-gain (run-to-run spread is 1-2%). The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2
 norm and beta sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result. Prints each trial as it
@@ -45,7 +45,7 @@ def fwd_bwd_ms(shape, decay, reps) -> float:
     return time_ms(lambda *xs: run_ours(*xs, decay), sets, True, reps)
 
 
-def tune(shape, reps, budget_s) -> dict:
+def tune(shape, reps, budget_s, min_gain) -> dict:
     """Coordinate descent over GRID; returns the best LAUNCH table found (LAUNCH is left set to it)."""
     start = time.monotonic()
     best = fwd_bwd_ms(shape, "sigmoid", reps)
@@ -65,7 +65,7 @@ def tune(shape, reps, budget_s) -> dict:
                 except OutOfResources as err:  # e.g. shared memory for this tile: the value is skipped
                     ms = float("inf")
                     print(f"  {kernel}.{option}={value}: failed ({type(err).__name__}: {str(err)[:80]})")
-                keep = ms < best
+                keep = ms < best * (1 - min_gain)
                 print(f"  {kernel}.{option}={value}: {ms:.3f} ms {'(kept)' if keep else ''}  "
                       f"[{time.monotonic() - start:.0f} s]", flush=True)
                 if keep:
@@ -81,11 +81,13 @@ def main(argv=None):
                    help="B,T,H,K,V")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
+    p.add_argument("--min-gain", type=float, default=0.01,
+                   help="keep a new value only if it is faster by more than this fraction")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kda_tune needs a CUDA device")
     initial = copy.deepcopy(triton_fwd.LAUNCH)
-    tuned = tune(args.shape, args.reps, args.budget_s)
+    tuned = tune(args.shape, args.reps, args.budget_s, args.min_gain)
     print("\ntuned LAUNCH = {", flush=True)
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
