@@ -53,6 +53,7 @@ from k3lab.model import attnres  # noqa: E402
 from k3lab.model.ffn import GLU  # noqa: E402
 from k3lab.model.norm import RMSNorm  # noqa: E402
 from k3lab.model.residual import build_residual  # noqa: E402
+from kernels.bench import saved_bytes  # noqa: E402
 
 
 # --- a stand-in stack (used when K3Model is unavailable, or with --model standin) -------------------
@@ -167,23 +168,6 @@ def variant_model(kind: str, base: ModelConfig, variant: str, state_dict: dict |
 
 
 # --- measurement ----------------------------------------------------------------------------------
-def saved_activation_bytes(model: nn.Module, run_forward) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during one forward."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = run_forward()
-    loss.backward()
-    return sum(seen.values())
-
-
 def make_step(model, tokens, args, device):
     """Returns (step, forward): step() runs one timed training step and returns its loss."""
     model.to(device)
@@ -230,7 +214,7 @@ def bench(models: dict, tokens, args, device) -> dict:
     for v, (_, forward) in steps.items():
         row = {"ms": 1e3 * statistics.median(times[v]), "loss": losses[v].item(),
                "cpu_ms": 1e3 * statistics.median(cpu_times[v])}
-        row["saved_mb"] = saved_activation_bytes(models[v], forward) / 2**20
+        row["saved_mb"] = saved_bytes(forward, exclude=list(models[v].parameters()))[0] / 2**20
         for p in models[v].parameters():
             p.grad = None
         if device.type == "cuda":
@@ -420,7 +404,9 @@ def tune_mix(args, device) -> None:
         g_h = torch.randn(1, N, D, generator=gen, device=device).to(torch.bfloat16)
         _, alpha = fused.mix_forward(values, scales, query)
         fwd_gb = ((S + 1) * N * D * 2 + 2 * S * N * 4) / 1e9  # S reads, h write; r reads, alpha write
-        bwd_gb = ((2 * S + 1) * N * D * 2 + 3 * S * N * 4) / 1e9  # g_h + S reads, S writes; r, alpha, g_r
+        # g_h read by both backward kernels, S reads, S writes; per-source row scalars [S, N]: alpha and r
+        # read twice, g_alpha and d written and read, g_r written
+        bwd_gb = ((2 * S + 2) * N * D * 2 + 9 * S * N * 4) / 1e9
         fwd, bwd = {}, {}
         for cfg in configs:
             fwd[cfg] = time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)

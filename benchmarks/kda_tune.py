@@ -4,8 +4,9 @@
 
 Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
 warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
-before moving on if it beats the current time by more than --min-gain (run-to-run spread is 1-2%). The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2
-norm and beta sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
+before moving on if it beats the current time by more than --min-gain (run-to-run spread is 1-2%).
+The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2 norm and beta
+sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result. Prints each trial as it
 lands, then the tuned table and both decay maps timed with the starting and the tuned table.

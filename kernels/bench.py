@@ -102,20 +102,21 @@ def time_ms(fn, input_sets, backward, reps, warmup=3):
     return statistics.median(times)
 
 
-def saved_mb(fn, xs) -> float:
-    """MB of the distinct tensors autograd keeps for the backward of one call fn(*xs), inputs excluded."""
-    inputs = {x.untyped_storage().data_ptr() for x in xs if isinstance(x, torch.Tensor)}
+def saved_bytes(run, exclude=()) -> tuple[int, object]:
+    """(bytes of the distinct storages autograd saves for backward while run() executes, run()'s result),
+    leaving out the storages of the tensors in `exclude` (inputs, parameters)."""
+    skip = {x.untyped_storage().data_ptr() for x in exclude if isinstance(x, torch.Tensor)}
     sizes = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in inputs:
+        if ptr not in skip:
             sizes[ptr] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*xs)
-    return sum(sizes.values()) / 2**20
+        out = run()
+    return sum(sizes.values()), out
 
 
 def rel_err(a, b):
@@ -216,7 +217,7 @@ def bench_kda(args):
                 try:
                     f = time_ms(call, sets, False, args.reps)
                     fb = time_ms(call, sets, True, args.reps)
-                    mb = saved_mb(call, sets[0])
+                    mb = saved_bytes(lambda: call(*sets[0]), exclude=sets[0])[0] / 2**20
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     f = fb = mb = float("nan")

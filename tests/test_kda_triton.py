@@ -103,19 +103,11 @@ def _run_checks() -> dict:
     # (bitwise), and the saved tensors shrink by exactly the chunk states Hs [B, H, NT, K, V] fp32
     inputs = [x.float() for x in make_inputs(1, 150, 2, 32, 16, "moderate", seed=13)]
 
-    def saved_bytes_and_results(recompute):
-        sizes = {}
+    from kernels.bench import saved_bytes
 
-        def pack(t):
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            results = outputs_and_grads(partial(kda_triton, recompute_states=recompute), inputs)
-        return sum(sizes.values()), results
-
-    kept_bytes, kept = saved_bytes_and_results(False)
-    recomputed_bytes, recomputed = saved_bytes_and_results(True)
+    kept_bytes, kept = saved_bytes(lambda: outputs_and_grads(kda_triton, inputs))
+    recomputed_bytes, recomputed = saved_bytes(
+        lambda: outputs_and_grads(partial(kda_triton, recompute_states=True), inputs))
     out["recompute_states"] = {
         "max_abs_difference": max((a - b).abs().max().item() for a, b in zip(kept, recomputed)),
         "saved_bytes_difference": kept_bytes - recomputed_bytes,

@@ -447,7 +447,7 @@ def state_pass(k, W, U, G, h0, prec, output_final_state):
     Hs = torch.empty(B, H, NT, K, V, device=k.device, dtype=torch.float32)
     Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
     ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    BVS, opts = launch("state", V)  # the sequential pass: more V-blocks, more programs in flight
+    BVS, opts = launch("state", V)
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
                                          T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
                                          **opts)
