@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import (BC, BT, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision, launch,
-                         state_pass)
+from .triton_fwd import (BC, BT, _chunk, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision,
+                         launch, state_pass)
 
 
 @triton.jit
@@ -79,10 +79,7 @@ def _bwd_local_v(
 ):
     """Per chunk: every gradient that contracts over V (dv, dbeta, dP, dA and the partial dq, dk, dG)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
     stride_v = H * V
     r = tl.arange(0, BTC)
@@ -223,10 +220,7 @@ def _bwd_diag(
         x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
     and dq += x1, dk += x2 + x3 + x4, dG += q x1 - k x2 + k (x3 - x4)."""
     i_n, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
     c0 = i_c * BKD
     base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
@@ -265,10 +259,7 @@ def _bwd_local_k(
     With a fused gate (GATE 1 = sigmoid, 2 = softplus map of the raw input z) it writes dz instead of
     dg, and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and dt_bias (ddt_part [B, H, NT, K])."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
     base_k = (i_b * T * H + i_h) * K + t0 * stride_k
     q_ptr = q + base_k

@@ -57,6 +57,14 @@ def launch(name: str, V: int | None = None) -> tuple[int | None, dict]:
 
 
 @triton.jit
+def _chunk(i_n, i_bh, T, H: tl.constexpr, BTC: tl.constexpr):
+    """Coordinates of chunk i_n of the flattened (batch, head) i_bh: batch, head, number of chunks NT,
+    first token t0 and the tokens left from t0 (T_local; the last chunk may be ragged)."""
+    t0 = i_n * BTC
+    return i_bh // H, i_bh % H, tl.cdiv(T, BTC), t0, T - t0
+
+
+@triton.jit
 def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
     """Rows r0 .. r0+NR of a row-major matrix (row stride ``stride``), zero where row >= nrows or
     col >= ncols, as float32 [NR, NC]."""
@@ -170,10 +178,7 @@ def _intra(
     SAFE: the gate is bounded (every chunk takes the tensor-core split); otherwise the chunk's flag
     in Safe [B * H * NT] decides."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride = H * K
     q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
     k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
@@ -203,10 +208,7 @@ def _intra_diag(
     whose Safe flag is 0, written over the zeros ``_intra`` left there: M_ij = sum_c a_ic k_jc E_ijc
     with the exact pairwise decays E (``_diag_decay``), BKD key columns at a time."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride = H * K
     base = (i_b * T * H + i_h) * K + t0 * stride
     G_ptr = G + (i_bh * NT * BTC + t0) * K
@@ -276,10 +278,7 @@ def _wy(
     """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
     T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V, W = Tinv Diag(beta) (K e^G)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     A_ptr = At + (i_bh * NT * BTC + t0) * BTC
     r16 = tl.arange(0, BCC)
     b_ptr = beta + i_b * T * H + i_h + t0 * H
@@ -403,10 +402,7 @@ def _output(
 ):
     """o = scale (q * e^G) S_n + P delta for one chunk and V-block."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BTC)
-    t0 = i_n * BTC
-    T_local = T - t0
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
     stride_v = H * V
     qq = _load_tile(q + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
