@@ -30,7 +30,8 @@ from kernels.kda import triton_fwd  # noqa: E402
 
 # candidate values per kernel and option (the current value is always among those tried)
 GRID = {
-    "bwd_local_v": dict(BV=[16, 32, 64], num_warps=[4, 8, 16], num_stages=[1, 2]),
+    "bwd_local_v": dict(BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
+    "bwd_local_kv": dict(BKS=[32, 64], BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
     "bwd_state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2]),
     "bwd_local_k": dict(num_warps=[4, 8, 16]),
     "state": dict(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),

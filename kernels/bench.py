@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import platform
 import statistics
@@ -254,7 +255,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
     p.add_argument("--profile", action="store_true",
-                   help="print a per-kernel CUDA time breakdown of our forward+backward at the first shape")
+                   help="print a per-kernel CUDA time breakdown of forward+backward at the first shape (ours, and fla's unless --no-fla)")
     p.add_argument("--no-fla", dest="fla", action="store_false", help="skip fla's chunk_kda (its autotuning takes minutes)")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
                    help="skip timing the plain PyTorch chunkwise path")
@@ -272,27 +273,29 @@ def main(argv=None):
     print(f"python {platform.python_version()}", file=sys.stderr)
     bench_kda(args)
     if args.profile:
-        profile_ours(args.shapes[0])
+        profile_kernels(args.shapes[0], args.fla and importlib.util.find_spec("fla") is not None)
 
 
-def profile_ours(shape):
-    """Per-kernel CUDA time of one forward+backward of kda_gated, for both maps (torch profiler)."""
+def profile_kernels(shape, with_fla):
+    """Per-kernel CUDA time of one forward+backward of kda_gated (and of fla's chunk_kda when
+    with_fla), for both maps (torch profiler), so stages can be compared kernel by kernel."""
     B, T, H, K, V = shape
+    impls = [("ours", run_ours)] + ([("fla", run_fla)] if with_fla else [])
     for decay in ("sigmoid", "softplus"):
         xs = make_inputs(B, T, H, K, V, decay, "cuda")
-        for _ in range(2):
-            run_ours(*xs, decay).sum().backward()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run_ours(*xs, decay).sum().backward()
+        for name, fn in impls:
+            for _ in range(2):
+                fn(*xs, decay).sum().backward()
             torch.cuda.synchronize()
-        print(f"## per-kernel CUDA time, {decay}, shape {shape}", flush=True)
-        try:
-            table = prof.key_averages().table(sort_by="device_time_total", row_limit=14)
-        except (AttributeError, KeyError):
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
-        print(table, flush=True)
-
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn(*xs, decay).sum().backward()
+                torch.cuda.synchronize()
+            print(f"## per-kernel CUDA time, {name}, {decay}, shape {shape}", flush=True)
+            try:
+                table = prof.key_averages().table(sort_by="device_time_total", row_limit=16)
+            except (AttributeError, KeyError):
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16)
+            print(table, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -86,15 +86,17 @@ def _run_checks() -> dict:
         ref = run(partial(kda_gated_reference, backend="torch"), torch.float64)
         out[name] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, got, ref)}
 
-    # the launch table (V-block widths, warps, stages) changes speed only: narrow V-blocks, so that V = 32
-    # spans two of them, give the same outputs and gradients as the default table
+    # the launch table (V-block widths, key slices, warps, stages) changes speed only: narrow V-blocks and
+    # key slices, so that V = 32 and K = 32 span two of them, give the same outputs and gradients as the
+    # default table
     from kernels.kda import triton_fwd
 
-    inputs = [x.float() for x in make_inputs(1, 70, 2, 16, 32, "moderate", seed=12)]
+    inputs = [x.float() for x in make_inputs(1, 70, 2, 32, 32, "moderate", seed=12)]
     default = outputs_and_grads(kda_triton, inputs)
     saved_launch = {name: dict(opts) for name, opts in triton_fwd.LAUNCH.items()}
-    for name in ("state", "output", "bwd_state", "bwd_local_v"):
+    for name in ("state", "output", "bwd_state", "bwd_local_v", "bwd_local_kv"):
         triton_fwd.LAUNCH[name].update(BV=16, num_warps=2)
+    triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=16)
     narrow = outputs_and_grads(kda_triton, inputs)
     triton_fwd.LAUNCH.update(saved_launch)
     out["launch_table"] = {n: rel(a.double(), b.double()) for n, a, b in zip(NAMES, narrow, default)}

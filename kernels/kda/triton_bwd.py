@@ -5,11 +5,12 @@ By default the forward stores the chunk-entry states S_n (fp32) and delta for th
 memory for one more pass: benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
 leaving the chunk and Kd = K * e^{G_last - G}:
 
-    d delta = P^T dO + Kd dS'                                         (``_bwd_state``, reverse pass)
+    d delta = P^T dO + Kd dS'           (``_bwd_state_prep`` per chunk, then ``_bwd_state``, reverse pass)
     dS      = scale (q e^G)^T dO + Diag(e^{G_last}) dS' - W^T d delta
     dP      = dO delta^T,   dW = -d delta S^T,   dKd = delta dS'^T,   dU = d delta
     dTinv   = dU (beta V)^T + dW (beta K e^G)^T,  dA = -Tinv^T dTinv Tinv^T (strictly lower)
-    dv      = beta * Tinv^T dU,  d(beta K e^G) = Tinv^T dW                (``_bwd_local_v``)
+    dv      = beta * Tinv^T dU,  d(beta K e^G) = Tinv^T dW
+                                      (``_bwd_local_v`` over V, ``_bwd_local_kv`` per key slice, ``_bwd_dA``)
 
 and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (A: a = b = k;
 P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
@@ -21,18 +22,51 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import (BC, BT, _chunk, _chunk_safe, _diag_decay, _load_tile, _pow2, _softplus, dot_precision,
-                         launch, state_pass)
+from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_tile, _pow2, _softplus, chunk_sets,
+                         dot_precision, launch, state_pass)
+
+
+@triton.jit
+def _bwd_state_prep(
+    q, k, G, P, do, Qg, Kd, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk, everything of the reverse pass that does not depend on dS', so that ``_bwd_state``'s
+    sequential steps only load and multiply: the intra-chunk part of d delta, P^T dO (into dDl
+    [B, T, H, V]), and the decayed q and k, Qg = scale q e^G and Kd = k e^{G_last - G} ([B, H, Tp, K])."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
+    stride_k = H * K
+    stride_v = H * V
+    r = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+    poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
+    pmask = ck[None, :] < K
+    tl.store(Qg + poff, _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale, mask=pmask)
+    tl.store(Kd + poff, _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc),
+             mask=pmask)
+    pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
+    for iv in range(tl.cdiv(V, BV)):
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
+        cv = iv * BV + tl.arange(0, BV)
+        dO = _load_tile(do + base_v, 0, T_local, stride_v, V - iv * BV, BTC, BV)
+        tl.store(dDl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :],
+                 tl.dot(pt, dO, input_precision=PREC), mask=(r[:, None] < T_local) & (cv[None, :] < V))
 
 
 @triton.jit
 def _bwd_state(
-    q, k, W, G, P, do, dht, dHs, dDl, dh0, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Qg, Kd, W, G, do, dht, dHs, dDl, dh0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
-    and d delta (dDl [B, T, H, V]), and the initial-state gradient."""
+    and completes d delta in dDl (P^T dO there, from ``_bwd_state_prep``, plus Kd dS'); then the
+    initial-state gradient."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -52,19 +86,17 @@ def _bwd_state(
         t0 = n * BTC
         T_local = T - t0
         tl.store(dHs + (i_bh * NT + n) * K * V + hoff, dh, mask=hmask)
-        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
-        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
-        p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
+        pbase = (i_bh * NT * BTC + t0) * K
+        kd = _load_tile(Kd + pbase, 0, BTC, K, K, BTC, BK)
+        qg = _load_tile(Qg + pbase, 0, BTC, K, K, BTC, BK)
+        w = _load_tile(W + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
+        g_last = tl.load(G + (i_bh * NT * BTC + t0 + BTC - 1) * K + ck, mask=ck < K, other=0.0)
         dO = _load_tile(do + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
-        dd = tl.dot(tl.trans(p), dO, input_precision=PREC) + tl.dot(kd, dh, input_precision=PREC)
-        tl.store(dDl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], dd,
-                 mask=(r[:, None] < T_local) & (cv[None, :] < V))
-        qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
-        w = _load_tile(W + base_k, 0, T_local, stride_k, K, BTC, BK)
+        dmask = (r[:, None] < T_local) & (cv[None, :] < V)
+        dd_ptr = dDl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :]
+        dd = tl.load(dd_ptr, mask=dmask, other=0.0) + tl.dot(kd, dh, input_precision=PREC)
+        tl.store(dd_ptr, dd, mask=dmask)
         dh = (tl.dot(tl.trans(qg), dO, input_precision=PREC) + dh * tl.exp(g_last)[:, None]
               - tl.dot(tl.trans(w), dd, input_precision=PREC))
     if STORE_DH0:
@@ -73,27 +105,22 @@ def _bwd_state(
 
 @triton.jit
 def _bwd_local_v(
-    q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta, scale: tl.constexpr,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BTC: tl.constexpr, PREC: tl.constexpr,
+    v, beta, Tinv, Dl, dDl, do, dv, dPs, dT_parts, db_parts, scale: tl.constexpr,
+    T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk: every gradient that contracts over V (dv, dbeta, dP, dA and the partial dq, dk, dG)."""
+    """Per chunk, the gradients that contract over V and need no [BT, K] tile: dv = beta Tinv^T d delta,
+    dP = dO delta^T (stored scaled and masked in dPs), and the V parts of dTinv (dT_parts[0]) and of
+    dbeta (db_parts[0]); ``_bwd_local_kv`` adds the K parts, ``_bwd_dA`` sums them."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
     stride_v = H * V
     r = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
     cm_off = (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]
     Ti = tl.load(Tinv + cm_off)
     bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
     dP = tl.zeros([BTC, BTC], dtype=tl.float32)
     dT = tl.zeros([BTC, BTC], dtype=tl.float32)
-    dQ1 = tl.zeros([BTC, BK], dtype=tl.float32)
-    dW = tl.zeros([BTC, BK], dtype=tl.float32)
-    dKd = tl.zeros([BTC, BK], dtype=tl.float32)
     db = tl.zeros([BTC], dtype=tl.float32)
-    dglast = tl.zeros([BK], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
         nv = V - iv * BV
         cv = iv * BV + tl.arange(0, BV)
@@ -102,40 +129,71 @@ def _bwd_local_v(
         dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
         ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
         vv = _load_tile(v + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        hmask = (ck[:, None] < K) & (cv[None, :] < V)
-        hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
-        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
-        dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
         dP += tl.dot(dO, tl.trans(dl), input_precision=PREC)
-        dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
-        dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
-        dKd += tl.dot(dl, tl.trans(dh), input_precision=PREC)
         dT += tl.dot(ddl, tl.trans(vv * bt[:, None]), input_precision=PREC)
         dXv = tl.dot(tl.trans(Ti), ddl, input_precision=PREC)
         tl.store(dv + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :],
                  (dXv * bt[:, None]).to(dv.dtype.element_ty), mask=(r[:, None] < T_local) & (cv[None, :] < V))
         db += tl.sum(dXv * vv, axis=1)
+    tl.store(dPs + cm_off, tl.where(r[:, None] >= r[None, :], dP * scale, 0.0))
+    tl.store(dT_parts + cm_off, dT)
+    tl.store(db_parts + i_bh * NT * BTC + t0 + r, db)
+
+
+@triton.jit
+def _bwd_local_kv(
+    q, k, beta, G, Tinv, Hs, dHs, Dl, dDl, do, dq_p, dk_p, dG_p, dgl, dT_parts, db_parts, scale: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BTC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and slice of BKS key columns (program axis 2), the gradients that contract over V into
+    a [BT, K] result: dq = scale e^G dO S^T, the W and Kd paths (dW = -d delta S^T, dKd = delta dS'^T)
+    into dk and dG, and d G_last; plus this slice's parts of dTinv and dbeta (dT_parts[1 + slice],
+    db_parts[1 + slice]). Slicing K keeps three [BT, BKS] accumulators per program instead of [BT, K]."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
+    stride_k = H * K
+    stride_v = H * V
+    r = tl.arange(0, BTC)
+    ck = i_k * BKS + tl.arange(0, BKS)
+    cm_off = (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]
+    dQ1 = tl.zeros([BTC, BKS], dtype=tl.float32)
+    dW = tl.zeros([BTC, BKS], dtype=tl.float32)
+    dKd = tl.zeros([BTC, BKS], dtype=tl.float32)
+    dglast = tl.zeros([BKS], dtype=tl.float32)
+    for iv in range(tl.cdiv(V, BV)):
+        nv = V - iv * BV
+        cv = iv * BV + tl.arange(0, BV)
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
+        dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        hmask = (ck[:, None] < K) & (cv[None, :] < V)
+        hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
+        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
+        dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
+        dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
+        dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
+        dKd += tl.dot(dl, tl.trans(dh), input_precision=PREC)
         dglast += tl.sum(h * dh, axis=1)
-    # the [BT, K] inputs are loaded only now, so they hold no registers during the V loop
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-    kk = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK)
-    qq = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK)
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+    # the [BT, BKS] inputs are loaded only now, so they hold no registers during the V loop
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k + i_k * BKS
+    nk = K - i_k * BKS
+    kk = _load_tile(k + base_k, 0, T_local, stride_k, nk, BTC, BKS)
+    qq = _load_tile(q + base_k, 0, T_local, stride_k, nk, BTC, BKS)
+    G_ptr = G + (i_bh * NT * BTC + t0) * K + i_k * BKS
+    Gc = _load_tile(G_ptr, 0, BTC, K, nk, BTC, BKS)
+    g_last = tl.load(G_ptr + (BTC - 1) * K + tl.arange(0, BKS), mask=ck < K, other=0.0)
+    Ti = tl.load(Tinv + cm_off)
+    bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
     eG = tl.exp(Gc)
     ke = kk * eG
-    dT += tl.dot(dW, tl.trans(ke * bt[:, None]), input_precision=PREC)
+    part = (1 + i_k) * (tl.num_programs(1) * NT * BTC)           # offset of this slice's part
+    tl.store(dT_parts + part * BTC + cm_off, tl.dot(dW, tl.trans(ke * bt[:, None]), input_precision=PREC))
     dXk = tl.dot(tl.trans(Ti), dW, input_precision=PREC)
+    tl.store(db_parts + part + i_bh * NT * BTC + t0 + r, tl.sum(dXk * ke, axis=1))
     dk = dXk * eG * bt[:, None]
-    db += tl.sum(dXk * ke, axis=1)
     dG = dXk * ke * bt[:, None]
-    dA = -tl.dot(tl.trans(Ti), tl.dot(dT, tl.trans(Ti), input_precision=PREC), input_precision=PREC)
-    dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    at = tl.load(At + cm_off)
-    db += tl.sum(dA * at, axis=1)
-    tl.store(dAs + cm_off, dA * bt[:, None])
-    tl.store(dPs + cm_off, tl.where(r[:, None] >= r[None, :], dP * scale, 0.0))
     dq = dQ1 * eG * scale
     dG += qq * dq
     decay = tl.exp(g_last[None, :] - Gc)
@@ -149,12 +207,37 @@ def _bwd_local_v(
     tl.store(dk_p + poff, dk, mask=pmask)
     tl.store(dG_p + poff, dG, mask=pmask)
     tl.store(dgl + (i_bh * NT + i_n) * K + ck, dglast, mask=ck < K)
+
+
+@triton.jit
+def _bwd_dA(
+    beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H: tl.constexpr, NPARTS: tl.constexpr, BTC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per chunk: dTinv and dbeta summed over their NPARTS parts (V, then each key slice), then
+    dA = -Tinv^T dTinv Tinv^T (strictly lower; stored times beta in dAs) and dbeta += rowsum(dA * At)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
+    r = tl.arange(0, BTC)
+    cm_off = (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]
+    stride = tl.num_programs(1) * NT * BTC
+    dT = tl.zeros([BTC, BTC], dtype=tl.float32)
+    db = tl.zeros([BTC], dtype=tl.float32)
+    for i in tl.static_range(NPARTS):
+        dT += tl.load(dT_parts + i * stride * BTC + cm_off)
+        db += tl.load(db_parts + i * stride + i_bh * NT * BTC + t0 + r)
+    Ti = tl.load(Tinv + cm_off)
+    dA = -tl.dot(tl.trans(Ti), tl.dot(dT, tl.trans(Ti), input_precision=PREC), input_precision=PREC)
+    dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
+    db += tl.sum(dA * tl.load(At + cm_off), axis=1)
+    bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
+    tl.store(dAs + cm_off, dA * bt[:, None])
     tl.store(dbeta + i_b * T * H + i_h + (t0 + r) * H, db, mask=r < T_local)
 
 
 @triton.jit
 def _rows_da(
-    M1, M2, b, Gall, G_n, n, G_ptr, K, SAFE,
+    M1, M2, b, Gall, G_n, n, G_ptr, K, SAFE: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """da_i = sum_j M_ij b_j e^{G_i - G_j} for the 16 rows i of sub-block n, for two lower-triangular
@@ -182,7 +265,7 @@ def _rows_da(
 
 @triton.jit
 def _cols_db(
-    M1t, a1, M2t, a2, Gall, G_m, m, G_ptr, K, SAFE,
+    M1t, a1, M2t, a2, Gall, G_m, m, G_ptr, K, SAFE: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """db_j = sum_i M_ij a_i e^{G_i - G_j} for the 16 columns j of sub-block m, for two pairs (M1, a1),
@@ -252,78 +335,79 @@ def _bwd_diag(
 def _bwd_local_k(
     q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    SAFE: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
+    CHUNKS: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
 ):
     """Per chunk: gradients through the decayed products A (a = b = k) and P (a = q, b = k), then
-    dg = reverse cumulative sum of dG. Sub-blocks are visited last to first to carry that sum.
+    dg = reverse cumulative sum of dG, for the chunks of CHUNKS (``triton_fwd.chunk_sets``). Sub-blocks
+    are visited last to first to carry that sum.
     With a fused gate (GATE 1 = sigmoid, 2 = softplus map of the raw input z) it writes dz instead of
     dg, and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and dt_bias (ddt_part [B, H, NT, K])."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-    q_ptr = q + base_k
-    k_ptr = k + base_k
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
-    qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
-    Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    ck = tl.arange(0, BK)
-    cols = tl.arange(0, BTC)
-    r16 = tl.arange(0, BCC)
-    mbase = (i_bh * NT * BTC + t0) * BTC
-    pbase = (i_bh * NT * BTC + t0) * K
-    carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
-    safe = _chunk_safe(Safe, i_bh * NT + i_n, SAFE)
-    if GATE > 0:
-        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        dA_acc = tl.zeros([BK], dtype=tl.float32)
-        ddt_acc = tl.zeros([BK], dtype=tl.float32)
-        if GATE == 2:
-            bias = tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)
-    for nn in tl.static_range(BTC // BCC):
-        n = BTC // BCC - 1 - nn
-        rows = n * BCC + r16
-        G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-        k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-        q_n = _load_tile(q_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-        row_off = mbase + rows[:, None] * BTC + cols[None, :]
-        col_off = mbase + cols[None, :] * BTC + rows[:, None]          # [j, i] -> M[i, j]
-        dP_r = tl.load(dPs + row_off)
-        dA_r = tl.load(dAs + row_off)
-        dP_c = tl.load(dPs + col_off)
-        dA_c = tl.load(dAs + col_off)
-        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
-        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
-        poff = pbase + rows[:, None] * K + ck[None, :]
-        pmask = ck[None, :] < K
-        dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
-        dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
-        dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
-        s = tl.sum(dG_n, axis=0)
-        dg_n = carry[None, :] + s[None, :] - tl.cumsum(dG_n, axis=0) + dG_n
-        carry += s
-        out_off = base_k + rows[:, None] * stride_k + ck[None, :]
-        omask = (rows[:, None] < T_local) & (ck[None, :] < K)
-        tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
-        tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
-        if GATE == 1:       # g = G_MIN sigmoid(a z)
-            zz = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
-            sg = tl.sigmoid(a_h * zz)
-            dpre = tl.where(omask, dg_n * G_MIN * sg * (1.0 - sg), 0.0)
-            dA_acc += tl.sum(dpre * a_h * zz, axis=0)
-            dg_n = dpre * a_h
-        elif GATE == 2:     # g = -a softplus(z + dt_bias)
-            zb = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK) + bias[None, :]
-            dgm = tl.where(omask, dg_n, 0.0)
-            dA_acc += tl.sum(-dgm * a_h * _softplus(zb), axis=0)
-            dg_n = -dgm * a_h * tl.sigmoid(zb)
-            ddt_acc += tl.sum(dg_n, axis=0)
-        tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
-    if GATE > 0:
-        tl.store(dA_part + i_bh * NT + i_n, tl.sum(dA_acc, axis=0))
-        if GATE == 2:
-            tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, ddt_acc, mask=ck < K)
+    if _covers(Safe, i_bh * NT + i_n, CHUNKS):
+        stride_k = H * K
+        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        q_ptr = q + base_k
+        k_ptr = k + base_k
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
+        qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
+        Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+        ck = tl.arange(0, BK)
+        cols = tl.arange(0, BTC)
+        r16 = tl.arange(0, BCC)
+        mbase = (i_bh * NT * BTC + t0) * BTC
+        pbase = (i_bh * NT * BTC + t0) * K
+        carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
+        if GATE > 0:
+            a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            dA_acc = tl.zeros([BK], dtype=tl.float32)
+            ddt_acc = tl.zeros([BK], dtype=tl.float32)
+            if GATE == 2:
+                bias = tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)
+        for nn in tl.static_range(BTC // BCC):
+            n = BTC // BCC - 1 - nn
+            rows = n * BCC + r16
+            G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+            k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+            q_n = _load_tile(q_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+            row_off = mbase + rows[:, None] * BTC + cols[None, :]
+            col_off = mbase + cols[None, :] * BTC + rows[:, None]          # [j, i] -> M[i, j]
+            dP_r = tl.load(dPs + row_off)
+            dA_r = tl.load(dAs + row_off)
+            dP_c = tl.load(dPs + col_off)
+            dA_c = tl.load(dAs + col_off)
+            x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS, BTC, BCC, BK, PREC)
+            x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS, BTC, BCC, BK, PREC)
+            poff = pbase + rows[:, None] * K + ck[None, :]
+            pmask = ck[None, :] < K
+            dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
+            dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
+            dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
+            s = tl.sum(dG_n, axis=0)
+            dg_n = carry[None, :] + s[None, :] - tl.cumsum(dG_n, axis=0) + dG_n
+            carry += s
+            out_off = base_k + rows[:, None] * stride_k + ck[None, :]
+            omask = (rows[:, None] < T_local) & (ck[None, :] < K)
+            tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
+            tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
+            if GATE == 1:       # g = G_MIN sigmoid(a z)
+                zz = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
+                sg = tl.sigmoid(a_h * zz)
+                dpre = tl.where(omask, dg_n * G_MIN * sg * (1.0 - sg), 0.0)
+                dA_acc += tl.sum(dpre * a_h * zz, axis=0)
+                dg_n = dpre * a_h
+            elif GATE == 2:     # g = -a softplus(z + dt_bias)
+                zb = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK) + bias[None, :]
+                dgm = tl.where(omask, dg_n, 0.0)
+                dA_acc += tl.sum(-dgm * a_h * _softplus(zb), axis=0)
+                dg_n = -dgm * a_h * tl.sigmoid(zb)
+                ddt_acc += tl.sum(dg_n, axis=0)
+            tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
+        if GATE > 0:
+            tl.store(dA_part + i_bh * NT + i_n, tl.sum(dA_acc, axis=0))
+            if GATE == 2:
+                tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, ddt_acc, mask=ck < K)
 
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
@@ -343,32 +427,42 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dev = q.device
     f32 = torch.float32
     G, Safe, At, P, Tinv, W = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W"))
+    do = do.contiguous()
+    dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
+    # dq_p and dk_p first hold Qg and Kd for the state passes; _bwd_local_kv then overwrites them
+    dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    dk_p = torch.empty_like(dq_p)
+    _bwd_state_prep[(NT, B * H)](q, k, G, P, do, dq_p, dk_p, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)),
+                                 BT, prec, num_warps=4)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
         h0 = None if initial_state is None else initial_state.contiguous()
-        Hs, Dl, _ = state_pass(k, W, saved["U"], G, h0, prec, False)
-    do = do.contiguous()
+        Hs, Dl, _ = state_pass(dk_p, W, saved["U"], G, h0, prec, False)
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
-    dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
     BVS, opts = launch("bwd_state", V)
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
-        q, k, W, G, P, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
-        float(scale), T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
+        dq_p, dk_p, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
+        T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    dk_p = torch.empty_like(dq_p)
     dG_p = torch.empty_like(dq_p)
     dgl = torch.empty(B, H, NT, K, device=dev, dtype=f32)
     dbeta = torch.empty(B, T, H, device=dev, dtype=f32)
+    BVK, kv_opts = launch("bwd_local_kv", V)
+    BKS = min(kv_opts.pop("BKS"), BK)
+    NK = triton.cdiv(K, BKS)
+    dT_parts = torch.empty(1 + NK, B, H, Tp, BT, device=dev, dtype=f32)
+    db_parts = torch.empty(1 + NK, B, H, Tp, device=dev, dtype=f32)
     BVL, opts = launch("bwd_local_v", V)
-    _bwd_local_v[(NT, B * H)](
-        q, k, v, beta, G, At, Tinv, Hs, dHs, Dl, dDl, do, dv, dPs, dAs, dq_p, dk_p, dG_p, dgl, dbeta,
-        float(scale), T, H, K, V, BK, BVL, BT, prec, **opts)
+    _bwd_local_v[(NT, B * H)](v, beta, Tinv, Dl, dDl, do, dv, dPs, dT_parts, db_parts, float(scale),
+                              T, H, V, BVL, BT, prec, **opts)
+    _bwd_local_kv[(NT, B * H, NK)](q, k, beta, G, Tinv, Hs, dHs, Dl, dDl, do, dq_p, dk_p, dG_p, dgl, dT_parts,
+                                   db_parts, float(scale), T, H, K, V, BKS, BVK, BT, prec, **kv_opts)
+    _bwd_dA[(NT, B * H)](beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H, 1 + NK, BT, prec, num_warps=4)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
@@ -378,12 +472,13 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
                                                    BKD, num_warps=4)
     dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
-    _bwd_local_k[(NT, B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
-                              dummy if z is None else z, dummy if A_log is None else A_log,
-                              dummy if dt_bias is None else dt_bias,
-                              dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
-                              T, H, K, BK, BT, BC, bool(safe_gate), prec, gate, float(g_min),
-                              **launch("bwd_local_k")[1])
+    for chunks in chunk_sets(safe_gate):
+        _bwd_local_k[(NT, B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
+                                  dummy if z is None else z, dummy if A_log is None else A_log,
+                                  dummy if dt_bias is None else dt_bias,
+                                  dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
+                                  T, H, K, BK, BT, BC, chunks, prec, gate, float(g_min),
+                                  **launch("bwd_local_k")[1])
     dA_log = dA_part.sum((0, 2)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt

@@ -10,7 +10,7 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     o      scale (q * e^G) S_n + P D
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
-Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
+Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G and k e^{G_last - G}), ``_intra`` (At and P,
 16 rows at a time; for an unbounded gate ``_intra_diag`` then fills their diagonal sub-blocks),
 ``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over chunks, one program per
 (b, h, V-block)), ``_output``.
@@ -35,16 +35,18 @@ BC = 16  # sub-block size
 # g >= -5 guarantees: 15 steps of 5).
 SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 
-# Launch configuration per kernel (V-block width BV where the kernel tiles V, warps, pipeline stages).
+# Launch configuration per kernel (V-block width BV where the kernel tiles V, key-slice width BKS where
+# it slices K, warps, pipeline stages).
 # Every choice computes the same result; only speed differs. Found by `python benchmarks/kda_tune.py` on
 # one H200 at B=4, T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
     "intra": dict(num_warps=4),
     "wy": dict(num_warps=2, num_stages=3),
-    "state": dict(BV=64, num_warps=4, num_stages=2),
+    "state": dict(BV=32, num_warps=4, num_stages=2),
     "output": dict(BV=64, num_warps=4),
-    "bwd_state": dict(BV=64, num_warps=4, num_stages=1),
+    "bwd_state": dict(BV=32, num_warps=4, num_stages=2),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
+    "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
     "bwd_local_k": dict(num_warps=8),
 }
 
@@ -82,12 +84,13 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    g, A_log, dt_bias, k, G, Kd, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay. GATE: 0 = g given, 1 = sigmoid
     map g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
+    Also the keys decayed to the chunk's end, Kd = k e^{G_last - G} ([B, H, Tp, K], for ``_state``).
     With CHECK (a gate not bounded below), Safe[b, h, n] = 1 when every 16-row sub-block of the chunk
     decays by at most SAFE_RANGE in every channel, so the tensor-core path is exact there too."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -107,13 +110,19 @@ def _gate_cumsum(
         x = -a * _softplus(z)
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
-    base = G + (i_bh * NT * BTC) * K
-    tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
-    if CHECK:  # decay across a sub-block = -(sum of g over its rows 1..15)
-        inner = tl.where((tl.arange(0, BTC) % BCC)[:, None] > 0, x, 0.0)
-        drop = -tl.sum(tl.reshape(inner, (BTC // BCC, BCC, BK)), axis=1)
-        tl.store(Safe + i_bh * NT + i_n, (tl.max(tl.max(drop, axis=1), axis=0) <= SAFE_RANGE).to(tl.int32))
-
+    off = (i_bh * NT * BTC) * K + r[:, None] * K + c[None, :]
+    tl.store(G + off, Gc, mask=c[None, :] < K)
+    g_last = tl.sum(tl.where((tl.arange(0, BTC) == BTC - 1)[:, None], Gc, 0.0), axis=0)  # G's last row, exactly
+    kk = _load_tile(k + (i_b * T * H + i_h) * K, i_n * BTC, T, H * K, K, BTC, BK)
+    tl.store(Kd + off, kk * tl.exp(g_last[None, :] - Gc), mask=c[None, :] < K)
+    if CHECK:  # decay across a sub-block = -(sum of g over its rows 1..15), one masked column sum each
+        r16 = tl.arange(0, BTC) % BCC
+        blk = tl.arange(0, BTC) // BCC
+        worst = 0.0
+        for m in tl.static_range(BTC // BCC):
+            inner = tl.where(((blk == m) & (r16 > 0))[:, None], x, 0.0)
+            worst = tl.maximum(worst, tl.max(-tl.sum(inner, axis=0), axis=0))
+        tl.store(Safe + i_bh * NT + i_n, (worst <= SAFE_RANGE).to(tl.int32))
 
 @triton.jit
 def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
@@ -126,25 +135,41 @@ def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
     return tl.exp(tl.minimum(Gd[:, None, :] - Gd[None, :, :], 0.0))
 
 
+# The chunks one launch of ``_intra`` or ``_bwd_local_k`` covers (a compile-time argument), and so its
+# split: with a bounded gate one launch takes every chunk; with an unbounded one a launch compiled for
+# the middle-row split takes the chunks ``_gate_cumsum`` flagged safe and a second one, compiled for the
+# first-row split, the others. Each kernel then holds one split's code, not both behind a runtime branch.
+ALL_CHUNKS: tl.constexpr = tl.constexpr(0)
+SAFE_CHUNKS: tl.constexpr = tl.constexpr(1)
+UNSAFE_CHUNKS: tl.constexpr = tl.constexpr(2)
+
+
+def chunk_sets(safe_gate: bool) -> tuple[int, ...]:
+    """The launches of a chunk kernel: one for a bounded gate, one per kind of chunk otherwise."""
+    sets = (ALL_CHUNKS,) if safe_gate else (SAFE_CHUNKS, UNSAFE_CHUNKS)
+    return tuple(c.value for c in sets)
+
+
 @triton.jit
-def _chunk_safe(Safe, idx, SAFE: tl.constexpr):
-    """True when chunk idx may take the tensor-core split: always for a bounded gate (SAFE), else its
-    runtime flag from ``_gate_cumsum``."""
-    if SAFE:
+def _covers(Safe, idx, CHUNKS: tl.constexpr):
+    """Whether a launch for CHUNKS handles chunk idx (whose flag in Safe is read for an unbounded gate)."""
+    if CHUNKS == ALL_CHUNKS:
         return True
-    else:
+    elif CHUNKS == SAFE_CHUNKS:
         return tl.load(Safe + idx) != 0
+    else:
+        return tl.load(Safe + idx) == 0
 
 
 @triton.jit
 def _decayed_rows(
-    k_n, q_n, G_n, kk, Gall, n, G_ptr, K, SAFE,
+    k_n, q_n, G_n, kk, Gall, n, G_ptr, K, SAFE: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
     M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
     whole chunk; G_ptr points at row 0 of the chunk's G. The key-side factors are shared by both
-    products. SAFE (compile-time, or the chunk's runtime flag) picks the split. Returns two float32
+    products. SAFE picks the split (middle row if true, first row if false). Returns two float32
     [BC, BT]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, BTC)
@@ -172,31 +197,31 @@ def _decayed_rows(
 @triton.jit
 def _intra(
     q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT].
-    SAFE: the gate is bounded (every chunk takes the tensor-core split); otherwise the chunk's flag
-    in Safe [B * H * NT] decides."""
+    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT], for
+    the chunks of CHUNKS (flags in Safe [B * H * NT]; see ``chunk_sets``)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride = H * K
-    q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
-    k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    kk = _load_tile(k_ptr, 0, T_local, stride, K, BTC, BK)
-    Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    cols = tl.arange(0, BTC)
-    out_base = (i_bh * NT * BTC + t0) * BTC
-    safe = _chunk_safe(Safe, i_bh * NT + i_n, SAFE)
-    for n in tl.static_range(BTC // BCC):
-        rows = n * BCC + tl.arange(0, BCC)
-        G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-        k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
-        q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-        a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K, safe, BTC, BCC, BK, PREC)
-        offs = out_base + rows[:, None] * BTC + cols[None, :]
-        tl.store(At + offs, a)
-        tl.store(P + offs, p * scale)
+    if _covers(Safe, i_bh * NT + i_n, CHUNKS):
+        stride = H * K
+        q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
+        k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        kk = _load_tile(k_ptr, 0, T_local, stride, K, BTC, BK)
+        Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+        cols = tl.arange(0, BTC)
+        out_base = (i_bh * NT * BTC + t0) * BTC
+        for n in tl.static_range(BTC // BCC):
+            rows = n * BCC + tl.arange(0, BCC)
+            G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+            k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
+            q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
+            a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS,
+                                 BTC, BCC, BK, PREC)
+            offs = out_base + rows[:, None] * BTC + cols[None, :]
+            tl.store(At + offs, a)
+            tl.store(P + offs, p * scale)
 
 
 @triton.jit
@@ -355,12 +380,13 @@ def _wy(
 
 @triton.jit
 def _state(
-    k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Kd, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Sequential pass over chunks for one (b, h, V-block): stores the state entering each chunk
-    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32)."""
+    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32). Kd [B, H, Tp, K]: the
+    keys decayed to their chunk's end (``_gate_cumsum``), so each step only loads and multiplies."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -386,10 +412,8 @@ def _state(
         r = tl.arange(0, BTC)
         tl.store(Dl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], d,
                  mask=(r[:, None] < T_local) & (cv[None, :] < V))
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
-        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
+        g_last = tl.load(G + (i_bh * NT * BTC + t0 + BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kd = _load_tile(Kd + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
         h = h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
@@ -431,20 +455,21 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def state_pass(k, W, U, G, h0, prec, output_final_state):
+def state_pass(Kd, W, U, G, h0, prec, output_final_state):
     """The sequential ``_state`` pass: chunk-entry states Hs [B, H, NT, K, V] and delta Dl [B, T, H, V]
-    (float32), and the final state [B, H, K, V] or None. Used by the forward, and by the backward when
-    the forward did not keep Hs and Dl (``recompute_states``)."""
+    (float32), and the final state [B, H, K, V] or None. Kd [B, H, Tp, K]: the keys decayed to their
+    chunk's end. Used by the forward, and by the backward when the forward did not keep Hs and Dl
+    (``recompute_states``)."""
     import torch
 
-    B, T, H, K = k.shape
+    B, T, H, K = W.shape
     V = U.shape[-1]
     NT = triton.cdiv(T, BT)
-    Hs = torch.empty(B, H, NT, K, V, device=k.device, dtype=torch.float32)
-    Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
-    ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
+    Hs = torch.empty(B, H, NT, K, V, device=W.device, dtype=torch.float32)
+    Dl = torch.empty(B, T, H, V, device=W.device, dtype=torch.float32)
+    ht = torch.empty(B, H, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
     BVS, opts = launch("state", V)
-    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
+    _state[(triton.cdiv(V, BVS), B * H)](Kd, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
                                          T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
                                          **opts)
     return Hs, Dl, ht
@@ -474,12 +499,14 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     Safe = torch.empty(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
     dummy = G
-    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, Safe,
+    Kd = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, k, G, Kd, Safe,
                               T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, bool(safe_gate), prec,
-                        **launch("intra")[1])
+    for chunks in chunk_sets(safe_gate):
+        _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, chunks, prec,
+                            **launch("intra")[1])
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
@@ -487,7 +514,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
     h0 = initial_state.contiguous() if initial_state is not None else None
-    Hs, Dl, ht = state_pass(k, W, U, G, h0, prec, output_final_state)
+    Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
+    del Kd
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
     _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
