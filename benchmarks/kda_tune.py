@@ -9,12 +9,14 @@ The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, 
 sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result. Prints each trial as it
-lands, then the tuned table and both decay maps timed with the starting and the tuned table.
+lands, then the tuned table and both decay maps timed with the starting and the tuned table, and with
+fla's ``chunk_kda`` when fla-core is installed (same process, same inputs).
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.bench import make_inputs, run_ours, time_ms  # noqa: E402
+from kernels.bench import make_inputs, run_fla, run_ours, time_ms  # noqa: E402
 from kernels.kda import triton_fwd  # noqa: E402
 
 # candidate values per kernel and option (the current value is always among those tried)
@@ -41,10 +43,10 @@ GRID = {
 }
 
 
-def fwd_bwd_ms(shape, decay, reps) -> float:
-    """Forward+backward milliseconds of kda_gated under the current LAUNCH table."""
+def fwd_bwd_ms(shape, decay, reps, run=run_ours) -> float:
+    """Forward+backward milliseconds of kda_gated under the current LAUNCH table (or of ``run``)."""
     sets = [make_inputs(*shape, decay, "cuda", seed=s) for s in range(2)]
-    return time_ms(lambda *xs: run_ours(*xs, decay), sets, True, reps)
+    return time_ms(lambda *xs: run(*xs, decay), sets, True, reps)
 
 
 def tune(shape, reps, budget_s, min_gain) -> dict:
@@ -93,7 +95,9 @@ def main(argv=None):
     print("\ntuned LAUNCH = {", flush=True)
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
-    print("}\n\n| decay | starting table ms | tuned table ms | speed-up |\n|---|---|---|---|")
+    with_fla = importlib.util.find_spec("fla") is not None
+    print("}\n\n| decay | starting table ms | tuned table ms | speed-up | fla chunk_kda ms | tuned / fla |\n"
+          "|---|---|---|---|---|---|")
     for decay in ("sigmoid", "softplus"):
         triton_fwd.LAUNCH.clear()
         triton_fwd.LAUNCH.update(copy.deepcopy(initial))
@@ -101,7 +105,9 @@ def main(argv=None):
         triton_fwd.LAUNCH.clear()
         triton_fwd.LAUNCH.update(copy.deepcopy(tuned))
         after = fwd_bwd_ms(args.shape, decay, args.reps)
-        print(f"| {decay} | {before:.3f} | {after:.3f} | {before / after:.2f}x |", flush=True)
+        fla = fwd_bwd_ms(args.shape, decay, args.reps, run_fla) if with_fla else float("nan")
+        print(f"| {decay} | {before:.3f} | {after:.3f} | {before / after:.2f}x | {fla:.3f} | {after / fla:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ LAUNCH = {
     "wy": dict(num_warps=2, num_stages=3),
     "state": dict(BV=32, num_warps=4, num_stages=2),
     "output": dict(BV=64, num_warps=4),
-    "bwd_state": dict(BV=32, num_warps=4, num_stages=2),
+    "bwd_state": dict(BV=32, num_warps=8, num_stages=1),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
     "bwd_local_k": dict(num_warps=8),
@@ -501,7 +501,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     dummy = G
     Kd = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, k, G, Kd, Safe,
-                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=4)
+                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=8)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     for chunks in chunk_sets(safe_gate):
