@@ -40,11 +40,11 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 # Every choice computes the same result; only speed differs. Found by `python benchmarks/kda_tune.py` on
 # one H200 at B=4, T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
-    "intra": dict(num_warps=4),
+    "intra": dict(num_warps=8),
     "wy": dict(num_warps=2, num_stages=3),
-    "state": dict(BV=32, num_warps=4, num_stages=2),
+    "state": dict(BV=64, num_warps=4, num_stages=2),
     "output": dict(BV=64, num_warps=4),
-    "bwd_state": dict(BV=32, num_warps=8, num_stages=1),
+    "bwd_state": dict(BV=64, num_warps=8, num_stages=1),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
     "bwd_local_k": dict(num_warps=8),
