@@ -49,12 +49,13 @@ def fwd_bwd_ms(shape, decay, reps, run=run_ours) -> float:
     return time_ms(lambda *xs: run(*xs, decay), sets, True, reps)
 
 
-def tune(shape, reps, budget_s, min_gain) -> dict:
-    """Coordinate descent over GRID; returns the best LAUNCH table found (LAUNCH is left set to it)."""
+def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID)) -> dict:
+    """Coordinate descent over GRID (the given kernels only); returns the best LAUNCH table found (LAUNCH
+    is left set to it)."""
     start = time.monotonic()
     best = fwd_bwd_ms(shape, "sigmoid", reps)
     print(f"start: {best:.3f} ms  {triton_fwd.LAUNCH}", flush=True)
-    for kernel, options in GRID.items():
+    for kernel, options in ((name, GRID[name]) for name in kernels):
         for option, values in options.items():
             for value in values:
                 current = triton_fwd.LAUNCH[kernel].get(option)
@@ -87,11 +88,16 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
     p.add_argument("--min-gain", type=float, default=0.01,
                    help="keep a new value only if it is faster by more than this fraction")
+    p.add_argument("--kernels", type=lambda s: s.split(","), default=list(GRID),
+                   help=f"comma-separated kernels to search (default: all of {', '.join(GRID)})")
     args = p.parse_args(argv)
+    unknown = sorted(set(args.kernels) - set(GRID))
+    if unknown:
+        p.error(f"unknown kernel(s) {', '.join(unknown)}; valid: {', '.join(GRID)}")
     if not torch.cuda.is_available():
         raise SystemExit("kda_tune needs a CUDA device")
     initial = copy.deepcopy(triton_fwd.LAUNCH)
-    tuned = tune(args.shape, args.reps, args.budget_s, args.min_gain)
+    tuned = tune(args.shape, args.reps, args.budget_s, args.min_gain, args.kernels)
     print("\ntuned LAUNCH = {", flush=True)
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")

@@ -429,7 +429,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     G, Safe, At, P, Tinv, W = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    # dq_p and dk_p first hold Qg and Kd for the state passes; _bwd_local_kv then overwrites them
+    # dq_p and dk_p first hold Qg and Kd for the reverse pass; _bwd_local_kv then overwrites them
     dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     dk_p = torch.empty_like(dq_p)
     _bwd_state_prep[(NT, B * H)](q, k, G, P, do, dq_p, dk_p, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)),
@@ -438,7 +438,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
         h0 = None if initial_state is None else initial_state.contiguous()
-        Hs, Dl, _ = state_pass(dk_p, W, saved["U"], G, h0, prec, False)
+        Hs, Dl, _ = state_pass(k, W, saved["U"], G, h0, prec, False)
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G

@@ -10,7 +10,7 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     o      scale (q * e^G) S_n + P D
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
-Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G and k e^{G_last - G}), ``_intra`` (At and P,
+Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
 16 rows at a time; for an unbounded gate ``_intra_diag`` then fills their diagonal sub-blocks),
 ``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over chunks, one program per
 (b, h, V-block)), ``_output``.
@@ -84,13 +84,12 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, k, G, Kd, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay. GATE: 0 = g given, 1 = sigmoid
     map g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
-    Also the keys decayed to the chunk's end, Kd = k e^{G_last - G} ([B, H, Tp, K], for ``_state``).
     With CHECK (a gate not bounded below), Safe[b, h, n] = 1 when every 16-row sub-block of the chunk
     decays by at most SAFE_RANGE in every channel, so the tensor-core path is exact there too."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -110,11 +109,8 @@ def _gate_cumsum(
         x = -a * _softplus(z)
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
-    off = (i_bh * NT * BTC) * K + r[:, None] * K + c[None, :]
-    tl.store(G + off, Gc, mask=c[None, :] < K)
-    g_last = tl.sum(tl.where((tl.arange(0, BTC) == BTC - 1)[:, None], Gc, 0.0), axis=0)  # G's last row, exactly
-    kk = _load_tile(k + (i_b * T * H + i_h) * K, i_n * BTC, T, H * K, K, BTC, BK)
-    tl.store(Kd + off, kk * tl.exp(g_last[None, :] - Gc), mask=c[None, :] < K)
+    base = G + (i_bh * NT * BTC) * K
+    tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
     if CHECK:  # decay across a sub-block = -(sum of g over its rows 1..15), one masked column sum each
         r16 = tl.arange(0, BTC) % BCC
         blk = tl.arange(0, BTC) // BCC
@@ -380,13 +376,12 @@ def _wy(
 
 @triton.jit
 def _state(
-    Kd, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Sequential pass over chunks for one (b, h, V-block): stores the state entering each chunk
-    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32). Kd [B, H, Tp, K]: the
-    keys decayed to their chunk's end (``_gate_cumsum``), so each step only loads and multiplies."""
+    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -412,8 +407,10 @@ def _state(
         r = tl.arange(0, BTC)
         tl.store(Dl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], d,
                  mask=(r[:, None] < T_local) & (cv[None, :] < V))
-        g_last = tl.load(G + (i_bh * NT * BTC + t0 + BTC - 1) * K + ck, mask=ck < K, other=0.0)
-        kd = _load_tile(Kd + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
         h = h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), d, input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
@@ -455,21 +452,20 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def state_pass(Kd, W, U, G, h0, prec, output_final_state):
+def state_pass(k, W, U, G, h0, prec, output_final_state):
     """The sequential ``_state`` pass: chunk-entry states Hs [B, H, NT, K, V] and delta Dl [B, T, H, V]
-    (float32), and the final state [B, H, K, V] or None. Kd [B, H, Tp, K]: the keys decayed to their
-    chunk's end. Used by the forward, and by the backward when the forward did not keep Hs and Dl
-    (``recompute_states``)."""
+    (float32), and the final state [B, H, K, V] or None. Used by the forward, and by the backward when
+    the forward did not keep Hs and Dl (``recompute_states``)."""
     import torch
 
-    B, T, H, K = W.shape
+    B, T, H, K = k.shape
     V = U.shape[-1]
     NT = triton.cdiv(T, BT)
-    Hs = torch.empty(B, H, NT, K, V, device=W.device, dtype=torch.float32)
-    Dl = torch.empty(B, T, H, V, device=W.device, dtype=torch.float32)
-    ht = torch.empty(B, H, K, V, device=W.device, dtype=torch.float32) if output_final_state else None
+    Hs = torch.empty(B, H, NT, K, V, device=k.device, dtype=torch.float32)
+    Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
+    ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     BVS, opts = launch("state", V)
-    _state[(triton.cdiv(V, BVS), B * H)](Kd, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
+    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
                                          T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
                                          **opts)
     return Hs, Dl, ht
@@ -499,9 +495,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     Safe = torch.empty(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
     dummy = G
-    Kd = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, k, G, Kd, Safe,
-                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=8)
+    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, Safe,
+                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=4)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     for chunks in chunk_sets(safe_gate):
@@ -514,8 +509,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     W = torch.empty(B, T, H, K, device=dev, dtype=f32)
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
     h0 = initial_state.contiguous() if initial_state is not None else None
-    Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
-    del Kd
+    Hs, Dl, ht = state_pass(k, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
     _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
