@@ -104,6 +104,18 @@ def _bwd_state(
 
 
 @triton.jit
+def _v_block(do, Dl, dDl, chunk_v, iv, T_local, V: tl.constexpr, stride_v, BTC: tl.constexpr, BV: tl.constexpr):
+    """V-block iv of one chunk (chunk_v: offset of its first element in [B, T, H, V]): the block's offset
+    and columns, and dO, delta and d delta there, float32 [BT, BV] each."""
+    base_v = chunk_v + iv * BV
+    nv = V - iv * BV
+    dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+    dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+    ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+    return base_v, iv * BV + tl.arange(0, BV), dO, dl, ddl
+
+
+@triton.jit
 def _bwd_local_v(
     v, beta, Tinv, Dl, dDl, do, dv, dPs, dT_parts, db_parts, scale: tl.constexpr,
     T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
@@ -122,13 +134,9 @@ def _bwd_local_v(
     dT = tl.zeros([BTC, BTC], dtype=tl.float32)
     db = tl.zeros([BTC], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
-        nv = V - iv * BV
-        cv = iv * BV + tl.arange(0, BV)
-        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
-        dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        vv = _load_tile(v + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        base_v, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
+                                           stride_v, BTC, BV)
+        vv = _load_tile(v + base_v, 0, T_local, stride_v, V - iv * BV, BTC, BV)
         dP += tl.dot(dO, tl.trans(dl), input_precision=PREC)
         dT += tl.dot(ddl, tl.trans(vv * bt[:, None]), input_precision=PREC)
         dXv = tl.dot(tl.trans(Ti), ddl, input_precision=PREC)
@@ -162,12 +170,8 @@ def _bwd_local_kv(
     dKd = tl.zeros([BTC, BKS], dtype=tl.float32)
     dglast = tl.zeros([BKS], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
-        nv = V - iv * BV
-        cv = iv * BV + tl.arange(0, BV)
-        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
-        dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        _, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
+                                      stride_v, BTC, BV)
         hmask = (ck[:, None] < K) & (cv[None, :] < V)
         hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
         h = tl.load(Hs + hoff, mask=hmask, other=0.0)
