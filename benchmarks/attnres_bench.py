@@ -54,6 +54,7 @@ from k3lab.model.ffn import GLU  # noqa: E402
 from k3lab.model.norm import RMSNorm  # noqa: E402
 from k3lab.model.residual import build_residual  # noqa: E402
 from kernels.bench import saved_bytes  # noqa: E402
+from kernels.device import sm_count  # noqa: E402
 
 
 # --- a stand-in stack (used when K3Model is unavailable, or with --model standin) -------------------
@@ -390,7 +391,7 @@ def tune_mix(args, device) -> None:
         return cfg[0] * BD // (32 * cfg[1])
 
     grid = [(bt, w) for bt in TUNE_ROWS for w in TUNE_WARPS if 2 <= per_thread((bt, w)) <= 16]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = sm_count(device)
     print(f"\ntune: fused mix alone, N={N} rows, D={D}, bf16 sources; {sms} SMs")
     default = fused.default_launch(D)
     configs = grid + ([default] if default not in grid else [])

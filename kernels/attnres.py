@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import sm_count
+
 MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
 MAX_D = 8192
 # Launch shape: one token row per program, 16 elements of it per thread, and 16 programs per SM for the
@@ -153,12 +155,6 @@ def supported(values, inv_rms, query) -> bool:
             and query.shape == v0.shape[-1:])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter's grid stays small)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def mix_forward(values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, *,
                 launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch `_mix_fwd`: values S x [B, T, D], inv_rms S x [B, T, 1] fp32, query [D] -> h [B, T, D]
@@ -193,7 +189,7 @@ def mix_backward(
     N, S = B * T, len(values)
     BT, warps = launch or default_launch(D)
     BD = triton.next_power_of_2(D)
-    n_prog = min(triton.cdiv(N, BT), programs or PROGRAMS_PER_SM * _sm_count(values[0].device))
+    n_prog = min(triton.cdiv(N, BT), programs or PROGRAMS_PER_SM * sm_count(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     g_r = torch.empty_like(alpha)
     g_alpha, dots = torch.empty_like(alpha), torch.empty_like(alpha)

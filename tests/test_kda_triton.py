@@ -26,7 +26,10 @@ CASES = {
     "softplus_saturated_T70": (1, 70, 1, 16, 32, "softplus_sat", False),
     "short_T5": (1, 5, 2, 16, 16, "moderate", False),
 }
-GATED = {"gated_sigmoid": "sigmoid", "gated_softplus": "softplus"}
+# name: (decay map, key-slice width of the backward's ``_bwd_local_kv`` or None for the default table);
+# with K = 32, a width of 16 runs two slices, whose dTinv and dbeta parts ``_bwd_dA`` then sums
+GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
+         "gated_softplus_two_key_slices": ("softplus", 16)}
 
 
 def _run_checks() -> dict:
@@ -60,8 +63,10 @@ def _run_checks() -> dict:
 
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
-    B, T, H, K, V = 1, 20, 2, 16, 16
-    for name, decay in GATED.items():
+    from kernels.kda import triton_fwd
+
+    B, T, H, K, V = 1, 20, 2, 32, 16
+    for name, (decay, key_slice) in GATED.items():
         raw = [torch.randn(*s, generator=gen, dtype=torch.float64)
                for s in [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]]
         raw[3] = raw[3] * 4  # wide range of gate pre-activations
@@ -82,15 +87,17 @@ def _run_checks() -> dict:
             grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), xs)
             return [o, ht] + list(grads)
 
+        saved_launch = {n: dict(opts) for n, opts in triton_fwd.LAUNCH.items()}
+        if key_slice:
+            triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=key_slice)
         got = run(kda_gated, torch.float32)
+        triton_fwd.LAUNCH.update(saved_launch)
         ref = run(partial(kda_gated_reference, backend="torch"), torch.float64)
         out[name] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, got, ref)}
 
     # the launch table (V-block widths, key slices, warps, stages) changes speed only: narrow V-blocks and
     # key slices, so that V = 32 and K = 32 span two of them, give the same outputs and gradients as the
     # default table
-    from kernels.kda import triton_fwd
-
     inputs = [x.float() for x in make_inputs(1, 70, 2, 32, 32, "moderate", seed=12)]
     default = outputs_and_grads(kda_triton, inputs)
     saved_launch = {name: dict(opts) for name, opts in triton_fwd.LAUNCH.items()}
@@ -181,3 +188,14 @@ def test_head_dim_limit_is_explicit():
 
 if __name__ == "__main__":
     print(json.dumps(_run_checks()))
+
+
+def test_one_wave_block_narrows_only_while_the_grid_fits_the_sms():
+    """The forward state pass's V-block: as narrow as one wave of programs allows, never below 16."""
+    from kernels.kda.triton_fwd import one_wave_block
+
+    assert one_wave_block(64, 128, 64, 132) == 64      # B*H = 64: 2 x 64 = 128 programs, 256 would not fit
+    assert one_wave_block(64, 128, 16, 132) == 16      # B*H = 16: 8 x 16 = 128 programs fit
+    assert one_wave_block(64, 128, 32, 132) == 32      # 4 x 32 = 128 fit, 8 x 32 would not
+    assert one_wave_block(64, 128, 200, 132) == 64     # even the widest overflows: keep it
+    assert one_wave_block(64, 128, 1, 1) == 64         # CPU (one "SM"): unchanged

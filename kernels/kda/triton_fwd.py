@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..device import sm_count
+
 BT = 64  # chunk size
 BC = 16  # sub-block size
 # A 16-row sub-block whose log-decay drops by at most this much in every channel is safe for the
@@ -452,6 +454,18 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def one_wave_block(widest: int, V: int, rows: int, sms: int) -> int:
+    """V-block width of a sequential pass over chunks with one program per (row, V-block): the narrowest
+    of widest, widest / 2, ... 16 whose grid still fits one program per SM, else widest. Each step of the
+    pass is latency-bound, so a narrower block shortens every step as long as no program waits for an SM.
+    On the H200 (132 SMs, K = V = 128) this keeps 64 at B x H = 64 (32 was slower: 6.85 vs 6.61 ms
+    forward+backward) and picks 16 at B x H = 16 (9.00 ms vs 9.34 for 64; logs in benchmarks/logs)."""
+    bv = widest
+    while bv > 16 and triton.cdiv(V, bv // 2) * rows <= sms:
+        bv //= 2
+    return bv
+
+
 def state_pass(k, W, U, G, h0, prec, output_final_state):
     """The sequential ``_state`` pass: chunk-entry states Hs [B, H, NT, K, V] and delta Dl [B, T, H, V]
     (float32), and the final state [B, H, K, V] or None. Used by the forward, and by the backward when
@@ -465,6 +479,7 @@ def state_pass(k, W, U, G, h0, prec, output_final_state):
     Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
     ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     BVS, opts = launch("state", V)
+    BVS = one_wave_block(BVS, V, B * H, sm_count(k.device))
     _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
                                          T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
                                          **opts)
