@@ -8,9 +8,9 @@ before moving on if it beats the current time by more than --min-gain (run-to-ru
 The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2 norm and beta
 sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
-with the best table found so far. Every configuration computes the same result. Prints each trial as it
-lands, then the tuned table and both decay maps timed with the starting and the tuned table, and with
-fla's ``chunk_kda`` when fla-core is installed (same process, same inputs).
+with the best table found so far. Every configuration computes the same result up to summation order.
+Prints each trial as it lands, then the tuned table and both decay maps timed with the starting and the
+tuned table, and with fla's ``chunk_kda`` when fla-core is installed (same process, same inputs).
 """
 from __future__ import annotations
 

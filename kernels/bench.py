@@ -255,7 +255,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
     p.add_argument("--profile", action="store_true",
-                   help="print a per-kernel CUDA time breakdown of forward+backward at the first shape (ours, and fla's unless --no-fla)")
+                   help="print a per-kernel CUDA time breakdown of forward+backward at the first shape "
+                        "(ours, and fla's unless --no-fla)")
     p.add_argument("--no-fla", dest="fla", action="store_false", help="skip fla's chunk_kda (its autotuning takes minutes)")
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
                    help="skip timing the plain PyTorch chunkwise path")
@@ -296,6 +297,7 @@ def profile_kernels(shape, with_fla):
             except (AttributeError, KeyError):
                 table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16)
             print(table, flush=True)
+
 
 if __name__ == "__main__":
     main()

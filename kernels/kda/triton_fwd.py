@@ -39,8 +39,9 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 
 # Launch configuration per kernel (V-block width BV where the kernel tiles V, key-slice width BKS where
 # it slices K, warps, pipeline stages).
-# Every choice computes the same result; only speed differs. Found by `python benchmarks/kda_tune.py` on
-# one H200 at B=4, T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
+# Every choice computes the same result up to float summation order (key slices add their parts in
+# another order); only speed differs. Found by `python benchmarks/kda_tune.py` on one H200 at B=4,
+# T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
     "intra": dict(num_warps=8),
     "wy": dict(num_warps=2, num_stages=3),
@@ -121,6 +122,7 @@ def _gate_cumsum(
             inner = tl.where(((blk == m) & (r16 > 0))[:, None], x, 0.0)
             worst = tl.maximum(worst, tl.max(-tl.sum(inner, axis=0), axis=0))
         tl.store(Safe + i_bh * NT + i_n, (worst <= SAFE_RANGE).to(tl.int32))
+
 
 @triton.jit
 def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
