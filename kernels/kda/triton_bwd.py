@@ -15,7 +15,7 @@ leaving the chunk and Kd = K * e^{G_last - G}:
 and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (A: a = b = k;
 P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
 dG += a * da - b * db (``_bwd_local_k``, same overflow-safe splits as the forward). Finally
-dg = reverse cumulative sum of dG within the chunk.
+dg = reverse cumulative sum of dG within the chunk, and through a fused gate map dz (``_gate_bwd``).
 """
 from __future__ import annotations
 
@@ -337,15 +337,14 @@ def _bwd_diag(
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg, z, A_log, dt_bias, dA_part, ddt_part,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    CHUNKS: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
+    CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk: gradients through the decayed products A (a = b = k) and P (a = q, b = k), then
     dg = reverse cumulative sum of dG, for the chunks of CHUNKS (``triton_fwd.chunk_sets``). Sub-blocks
-    are visited last to first to carry that sum.
-    With a fused gate (GATE 1 = sigmoid, 2 = softplus map of the raw input z) it writes dz instead of
-    dg, and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and dt_bias (ddt_part [B, H, NT, K])."""
+    are visited last to first to carry that sum. dg [B, T, H, K] is float32 (``_gate_bwd`` maps it
+    through a fused gate)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if _covers(Safe, i_bh * NT + i_n, CHUNKS):
@@ -363,12 +362,6 @@ def _bwd_local_k(
         mbase = (i_bh * NT * BTC + t0) * BTC
         pbase = (i_bh * NT * BTC + t0) * K
         carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
-        if GATE > 0:
-            a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            dA_acc = tl.zeros([BK], dtype=tl.float32)
-            ddt_acc = tl.zeros([BK], dtype=tl.float32)
-            if GATE == 2:
-                bias = tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         for nn in tl.static_range(BTC // BCC):
             n = BTC // BCC - 1 - nn
             rows = n * BCC + r16
@@ -395,24 +388,40 @@ def _bwd_local_k(
             omask = (rows[:, None] < T_local) & (ck[None, :] < K)
             tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
             tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
-            if GATE == 1:       # g = G_MIN sigmoid(a z)
-                zz = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
-                sg = tl.sigmoid(a_h * zz)
-                dpre = tl.where(omask, dg_n * G_MIN * sg * (1.0 - sg), 0.0)
-                dA_acc += tl.sum(dpre * a_h * zz, axis=0)
-                dg_n = dpre * a_h
-            elif GATE == 2:     # g = -a softplus(z + dt_bias)
-                zb = _load_tile(z + base_k, n * BCC, T_local, stride_k, K, BCC, BK) + bias[None, :]
-                dgm = tl.where(omask, dg_n, 0.0)
-                dA_acc += tl.sum(-dgm * a_h * _softplus(zb), axis=0)
-                dg_n = -dgm * a_h * tl.sigmoid(zb)
-                ddt_acc += tl.sum(dg_n, axis=0)
-            tl.store(dg + out_off, dg_n.to(dg.dtype.element_ty), mask=omask)
-        if GATE > 0:
-            tl.store(dA_part + i_bh * NT + i_n, tl.sum(dA_acc, axis=0))
-            if GATE == 2:
-                tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, ddt_acc, mask=ck < K)
+            tl.store(dg + out_off, dg_n, mask=omask)
 
+
+@triton.jit
+def _gate_bwd(
+    dg, z, A_log, dt_bias, dz, dA_part, ddt_part, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    BTC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
+):
+    """Per chunk, the fused gate's backward from dg [B, T, H, K] (float32): GATE 1 = sigmoid map
+    g = G_MIN sigmoid(a z), 2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h]). Writes dz
+    (dtype of dz) and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and, for softplus, of dt_bias
+    (ddt_part [B, H, NT, K])."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
+    stride_k = H * K
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    r = tl.arange(0, BTC)
+    ck = tl.arange(0, BK)
+    m = (r[:, None] < T_local) & (ck[None, :] < K)
+    off = base_k + r[:, None] * stride_k + ck[None, :]
+    d = tl.load(dg + off, mask=m, other=0.0)
+    zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    if GATE == 1:
+        sg = tl.sigmoid(a * zz)
+        dpre = d * G_MIN * sg * (1.0 - sg)
+        tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(dpre * a * zz, axis=1), axis=0))
+        dzz = dpre * a
+    else:
+        zb = zz + tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
+        tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
+        dzz = tl.where(m, -d * a * tl.sigmoid(zb), 0.0)
+        tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, tl.sum(dzz, axis=0), mask=ck < K)
+    tl.store(dz + off, dzz.to(dz.dtype.element_ty), mask=m)
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
             gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0):
@@ -474,18 +483,19 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
         BKD = min(BK, 32)
         _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC,
                                                    BKD, num_warps=4)
-    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
-    ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
     for chunks in chunk_sets(safe_gate):
         _bwd_local_k[(NT, B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
-                                  dummy if z is None else z, dummy if A_log is None else A_log,
-                                  dummy if dt_bias is None else dt_bias,
-                                  dummy if dA_part is None else dA_part, dummy if ddt_part is None else ddt_part,
-                                  T, H, K, BK, BT, BC, chunks, prec, gate, float(g_min),
-                                  **launch("bwd_local_k")[1])
-    dA_log = dA_part.sum((0, 2)) if gate else None
+                                  T, H, K, BK, BT, BC, chunks, prec, **launch("bwd_local_k")[1])
+    if not gate:
+        return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, None, None
+    dz = torch.empty_like(z)
+    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32)
+    ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
+    _gate_bwd[(NT, B * H)](dg, z, A_log, dummy if dt_bias is None else dt_bias, dz, dA_part,
+                           dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min), num_warps=8)
+    dA_log = dA_part.sum((0, 2))
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
+    return dq, dk, dv, dz, dbeta.to(beta.dtype), dh0, dA_log, ddt
 
 
 @triton.jit
