@@ -492,7 +492,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dA_part = torch.empty(B, H, NT, device=dev, dtype=f32)
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
     _gate_bwd[(NT, B * H)](dg, z, A_log, dummy if dt_bias is None else dt_bias, dz, dA_part,
-                           dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min), num_warps=8)
+                           dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min),
+                           num_warps=8)
     dA_log = dA_part.sum((0, 2))
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dz, dbeta.to(beta.dtype), dh0, dA_log, ddt
