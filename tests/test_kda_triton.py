@@ -90,6 +90,7 @@ def _run_checks() -> dict:
         saved_launch = {n: dict(opts) for n, opts in triton_fwd.LAUNCH.items()}
         if key_slice:
             triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=key_slice)
+            triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
         got = run(kda_gated, torch.float32)
         triton_fwd.LAUNCH.update(saved_launch)
         ref = run(partial(kda_gated_reference, backend="torch"), torch.float64)
@@ -104,6 +105,7 @@ def _run_checks() -> dict:
     for name in ("state", "output", "bwd_state", "bwd_local_v", "bwd_local_kv"):
         triton_fwd.LAUNCH[name].update(BV=16, num_warps=2)
     triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=16)
+    triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
     narrow = outputs_and_grads(kda_triton, inputs)
     triton_fwd.LAUNCH.update(saved_launch)
     out["launch_table"] = {n: rel(a.double(), b.double()) for n, a, b in zip(NAMES, narrow, default)}

@@ -15,7 +15,8 @@ leaving the chunk and Kd = K * e^{G_last - G}:
 and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (A: a = b = k;
 P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
 dG += a * da - b * db (``_bwd_local_k``, same overflow-safe splits as the forward). Finally
-dg = reverse cumulative sum of dG within the chunk, and through a fused gate map dz (``_gate_bwd``).
+dg = reverse cumulative sum of dG within the chunk, through a fused gate map when there is one
+(``_dg_bwd``).
 """
 from __future__ import annotations
 
@@ -337,15 +338,15 @@ def _bwd_diag(
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    CHUNKS: tl.constexpr, PREC: tl.constexpr,
+    RB: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk: gradients through the decayed products A (a = b = k) and P (a = q, b = k), then
-    dg = reverse cumulative sum of dG, for the chunks of CHUNKS (``triton_fwd.chunk_sets``). Sub-blocks
-    are visited last to first to carry that sum. dg [B, T, H, K] is float32 (``_gate_bwd`` maps it
-    through a fused gate)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """Gradients through the decayed products A (a = b = k) and P (a = q, b = k) for RB rows of a chunk
+    (program axis 0 runs over chunks x row blocks), for the chunks of CHUNKS (``triton_fwd.chunk_sets``):
+    dq and dk are final; dG is completed in place in dG_p [B, H, Tp, K] for ``_dg_bwd``."""
+    NRB: tl.constexpr = BTC // RB
+    i_n, i_r, i_bh = tl.program_id(0) // NRB, tl.program_id(0) % NRB, tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if _covers(Safe, i_bh * NT + i_n, CHUNKS):
         stride_k = H * K
@@ -361,9 +362,8 @@ def _bwd_local_k(
         r16 = tl.arange(0, BCC)
         mbase = (i_bh * NT * BTC + t0) * BTC
         pbase = (i_bh * NT * BTC + t0) * K
-        carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)  # d G_last
-        for nn in tl.static_range(BTC // BCC):
-            n = BTC // BCC - 1 - nn
+        for s in tl.static_range(RB // BCC):
+            n = i_r * (RB // BCC) + s
             rows = n * BCC + r16
             G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
             k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
@@ -381,47 +381,48 @@ def _bwd_local_k(
             dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
             dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
             dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
-            s = tl.sum(dG_n, axis=0)
-            dg_n = carry[None, :] + s[None, :] - tl.cumsum(dG_n, axis=0) + dG_n
-            carry += s
+            tl.store(dG_p + poff, dG_n, mask=pmask)
             out_off = base_k + rows[:, None] * stride_k + ck[None, :]
             omask = (rows[:, None] < T_local) & (ck[None, :] < K)
             tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
             tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
-            tl.store(dg + out_off, dg_n, mask=omask)
 
 
 @triton.jit
-def _gate_bwd(
-    dg, z, A_log, dt_bias, dz, dA_part, ddt_part, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def _dg_bwd(
+    dG_p, dgl, z, A_log, dt_bias, dg, dA_part, ddt_part, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     BTC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
 ):
-    """Per chunk, the fused gate's backward from dg [B, T, H, K] (float32): GATE 1 = sigmoid map
-    g = G_MIN sigmoid(a z), 2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h]). Writes dz
-    (dtype of dz) and per-chunk partial sums of dA_log (dA_part [B, H, NT]) and, for softplus, of dt_bias
-    (ddt_part [B, H, NT, K])."""
+    """Per chunk, dg = d G_last + the reverse cumulative sum of dG within the chunk (G is the
+    within-chunk cumsum of g), then through a fused gate (GATE 1 = sigmoid map g = G_MIN sigmoid(a z),
+    2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h])). Writes dg [B, T, H, K] (the
+    gradient of z with a fused gate, in dg's dtype) and per-chunk partial sums of dA_log
+    (dA_part [B, H, NT]) and, for softplus, of dt_bias (ddt_part [B, H, NT, K])."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
     r = tl.arange(0, BTC)
     ck = tl.arange(0, BK)
     m = (r[:, None] < T_local) & (ck[None, :] < K)
-    off = base_k + r[:, None] * stride_k + ck[None, :]
-    d = tl.load(dg + off, mask=m, other=0.0)
-    zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    dG = tl.load(dG_p + (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :], mask=ck[None, :] < K, other=0.0)
+    carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)
+    d = carry[None, :] + tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    off = (i_b * T * H + i_h) * K + t0 * stride_k + r[:, None] * stride_k + ck[None, :]
+    if GATE > 0:
+        zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     if GATE == 1:
         sg = tl.sigmoid(a * zz)
-        dpre = d * G_MIN * sg * (1.0 - sg)
+        dpre = tl.where(m, d * G_MIN * sg * (1.0 - sg), 0.0)
         tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(dpre * a * zz, axis=1), axis=0))
-        dzz = dpre * a
-    else:
+        d = dpre * a
+    elif GATE == 2:
         zb = zz + tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
+        d = tl.where(m, d, 0.0)
         tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
-        dzz = tl.where(m, -d * a * tl.sigmoid(zb), 0.0)
-        tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, tl.sum(dzz, axis=0), mask=ck < K)
-    tl.store(dz + off, dzz.to(dz.dtype.element_ty), mask=m)
+        d = -d * a * tl.sigmoid(zb)
+        tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, tl.sum(d, axis=0), mask=ck < K)
+    tl.store(dg + off, d.to(dg.dtype.element_ty), mask=m)
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
             gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0):
@@ -478,25 +479,25 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     _bwd_dA[(NT, B * H)](beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H, 1 + NK, BT, prec, num_warps=4)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dg = torch.empty(B, T, H, K, device=dev, dtype=f32)
     if not safe_gate:
         BKD = min(BK, 32)
         _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC,
                                                    BKD, num_warps=4)
+    _, k_opts = launch("bwd_local_k")
+    RB = k_opts.pop("RB")
     for chunks in chunk_sets(safe_gate):
-        _bwd_local_k[(NT, B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dgl, dq, dk, dg,
-                                  T, H, K, BK, BT, BC, chunks, prec, **launch("bwd_local_k")[1])
-    if not gate:
-        return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, None, None
-    dz = torch.empty_like(z)
-    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32)
+        _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk,
+                                               T, H, K, BK, BT, BC, RB, chunks, prec, **k_opts)
+    # dg: the gradient of the log-decay g, or of the raw gate input z when the gate map is fused
+    dg = torch.empty(B, T, H, K, device=dev, dtype=f32) if not gate else torch.empty_like(z)
+    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
-    _gate_bwd[(NT, B * H)](dg, z, A_log, dummy if dt_bias is None else dt_bias, dz, dA_part,
-                           dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min),
-                           num_warps=8)
-    dA_log = dA_part.sum((0, 2))
+    _dg_bwd[(NT, B * H)](dG_p, dgl, dummy if z is None else z, dummy if A_log is None else A_log,
+                         dummy if dt_bias is None else dt_bias, dg, dummy if dA_part is None else dA_part,
+                         dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min), num_warps=8)
+    dA_log = dA_part.sum((0, 2)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
-    return dq, dk, dv, dz, dbeta.to(beta.dtype), dh0, dA_log, ddt
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
 
 
 @triton.jit

@@ -38,7 +38,7 @@ BC = 16  # sub-block size
 SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 
 # Launch configuration per kernel (V-block width BV where the kernel tiles V, key-slice width BKS where
-# it slices K, warps, pipeline stages).
+# it slices K, rows per program RB where it splits a chunk's rows, warps, pipeline stages).
 # Every choice computes the same result up to float summation order (key slices add their parts in
 # another order); only speed differs. Found by `python benchmarks/kda_tune.py` on one H200 at B=4,
 # T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
@@ -50,7 +50,7 @@ LAUNCH = {
     "bwd_state": dict(BV=64, num_warps=8, num_stages=1),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
-    "bwd_local_k": dict(num_warps=8),
+    "bwd_local_k": dict(RB=16, num_warps=8),
 }
 
 
