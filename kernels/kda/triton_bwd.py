@@ -23,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..device import sm_count
 from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_tile, _pow2, _softplus, chunk_sets,
-                         dot_precision, launch, state_pass)
+                         dot_precision, launch, one_wave_block, state_pass)
 
 
 @triton.jit
@@ -457,6 +458,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
     BVS, opts = launch("bwd_state", V)
+    BVS = one_wave_block(BVS, V, B * H, sm_count(dev))
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         dq_p, dk_p, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
         T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
