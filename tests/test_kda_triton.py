@@ -26,10 +26,12 @@ CASES = {
     "softplus_saturated_T70": (1, 70, 1, 16, 32, "softplus_sat", False),
     "short_T5": (1, 5, 2, 16, 16, "moderate", False),
 }
-# name: (decay map, key-slice width of the backward's ``_bwd_local_kv`` or None for the default table);
-# with K = 32, a width of 16 runs two slices, whose dTinv and dbeta parts ``_bwd_dA`` then sums
+# name: (decay map, key-slice width of the key-sliced kernels or None for the default table); with
+# K = 32, a width of 16 runs two slices: ``_bwd_dA`` sums their dTinv and dbeta parts, the gate kernels'
+# chunk flags and dA_log parts combine across them
 GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
-         "gated_softplus_two_key_slices": ("softplus", 16)}
+         "gated_sigmoid_two_key_slices": ("sigmoid", 16), "gated_softplus_two_key_slices": ("softplus", 16)}
+KEY_SLICED = ("bwd_local_kv", "gate_cumsum", "dg_bwd")
 
 
 def _run_checks() -> dict:
@@ -51,6 +53,7 @@ def _run_checks() -> dict:
 
     # an unbounded gate is dispatched per chunk: chunks 0 and 2 decay within the sigmoid bound (tensor-core
     # split), chunk 1 is saturated (exact diagonal kernels); all three in one call
+    from kernels.kda import triton_fwd
     from kernels.kda.triton_fwd import kda_fwd
 
     mild, sat = (make_inputs(1, 150, 1, 16, 16, gate, seed=4) for gate in ("moderate", "softplus_sat"))
@@ -60,10 +63,18 @@ def _run_checks() -> dict:
     out["softplus_mixed_chunks_T150"] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
     saved = kda_fwd(*[x.float() for x in mixed[:5]], 16 ** -0.5, None, False, False)[2]
     out["chunk_flags"] = saved["Safe"].tolist()
+    # a chunk saturated in the first half of its key columns only, flagged by key slices of 8: the
+    # unsafe slice must clear the flag the safe one leaves set
+    half = [m.clone() for m in mild[:5]]
+    half[3][:, 64:128, :, :8] = sat[3][:, 64:128, :, :8]
+    saved_launch = dict(triton_fwd.LAUNCH["gate_cumsum"])
+    triton_fwd.LAUNCH["gate_cumsum"].update(BKS=8)
+    saved = kda_fwd(*[x.float() for x in half], 16 ** -0.5, None, False, False)[2]
+    triton_fwd.LAUNCH["gate_cumsum"] = saved_launch
+    out["chunk_flags_half_saturated"] = saved["Safe"].tolist()
 
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
-    from kernels.kda import triton_fwd
 
     B, T, H, K, V = 1, 20, 2, 32, 16
     for name, (decay, key_slice) in GATED.items():
@@ -89,7 +100,8 @@ def _run_checks() -> dict:
 
         saved_launch = {n: dict(opts) for n, opts in triton_fwd.LAUNCH.items()}
         if key_slice:
-            triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=key_slice)
+            for kernel in KEY_SLICED:
+                triton_fwd.LAUNCH[kernel].update(BKS=key_slice)
             triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
         got = run(kda_gated, torch.float32)
         triton_fwd.LAUNCH.update(saved_launch)
@@ -169,6 +181,7 @@ def test_recompute_states_same_results_less_memory(results):
 def test_unbounded_gate_picks_the_split_per_chunk(results):
     """Mild chunks take the tensor-core split, the saturated one the exact diagonal kernels."""
     assert results["chunk_flags"] == [1, 0, 1]
+    assert results["chunk_flags_half_saturated"] == [1, 0, 1]
 
 
 def test_causality(results):

@@ -391,19 +391,20 @@ def _bwd_local_k(
 
 @triton.jit
 def _dg_bwd(
-    dG_p, dgl, z, A_log, dt_bias, dg, dA_part, ddt_part, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    dG_p, dgl, z, A_log, dt_bias, dg, dA_part, ddt_part, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr,
 ):
-    """Per chunk, dg = d G_last + the reverse cumulative sum of dG within the chunk (G is the
-    within-chunk cumsum of g), then through a fused gate (GATE 1 = sigmoid map g = G_MIN sigmoid(a z),
-    2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h])). Writes dg [B, T, H, K] (the
-    gradient of z with a fused gate, in dg's dtype) and per-chunk partial sums of dA_log
-    (dA_part [B, H, NT]) and, for softplus, of dt_bias (ddt_part [B, H, NT, K])."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """Per chunk and slice of BKS key columns (program axis 2), dg = d G_last + the reverse cumulative
+    sum of dG within the chunk (G is the within-chunk cumsum of g), then through a fused gate (GATE 1 =
+    sigmoid map g = G_MIN sigmoid(a z), 2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h])).
+    Writes dg [B, T, H, K] (the gradient of z with a fused gate, in dg's dtype) and partial sums of
+    dA_log per chunk and slice (dA_part [B, H, NT, NKS]) and, for softplus, of dt_bias per chunk
+    (ddt_part [B, H, NT, K])."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
     r = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
+    ck = i_k * BKS + tl.arange(0, BKS)
     m = (r[:, None] < T_local) & (ck[None, :] < K)
     dG = tl.load(dG_p + (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :], mask=ck[None, :] < K, other=0.0)
     carry = tl.load(dgl + (i_bh * NT + i_n) * K + ck, mask=ck < K, other=0.0)
@@ -412,18 +413,20 @@ def _dg_bwd(
     if GATE > 0:
         zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        part = (i_bh * NT + i_n) * tl.num_programs(2) + i_k      # this chunk and slice's dA_log part
     if GATE == 1:
         sg = tl.sigmoid(a * zz)
         dpre = tl.where(m, d * G_MIN * sg * (1.0 - sg), 0.0)
-        tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(dpre * a * zz, axis=1), axis=0))
+        tl.store(dA_part + part, tl.sum(tl.sum(dpre * a * zz, axis=1), axis=0))
         d = dpre * a
     elif GATE == 2:
         zb = zz + tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
         d = tl.where(m, d, 0.0)
-        tl.store(dA_part + i_bh * NT + i_n, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
+        tl.store(dA_part + part, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
         d = -d * a * tl.sigmoid(zb)
         tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, tl.sum(d, axis=0), mask=ck < K)
     tl.store(dg + off, d.to(dg.dtype.element_ty), mask=m)
+
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
             gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0):
@@ -492,12 +495,16 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
                                                T, H, K, BK, BT, BC, RB, chunks, prec, **k_opts)
     # dg: the gradient of the log-decay g, or of the raw gate input z when the gate map is fused
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32) if not gate else torch.empty_like(z)
-    dA_part = torch.empty(B, H, NT, device=dev, dtype=f32) if gate else None
+    _, g_opts = launch("dg_bwd")
+    BKG = min(g_opts.pop("BKS"), BK)
+    NKG = triton.cdiv(K, BKG)
+    dA_part = torch.empty(B, H, NT, NKG, device=dev, dtype=f32) if gate else None
     ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
-    _dg_bwd[(NT, B * H)](dG_p, dgl, dummy if z is None else z, dummy if A_log is None else A_log,
-                         dummy if dt_bias is None else dt_bias, dg, dummy if dA_part is None else dA_part,
-                         dummy if ddt_part is None else ddt_part, T, H, K, BK, BT, gate, float(g_min), num_warps=8)
-    dA_log = dA_part.sum((0, 2)) if gate else None
+    _dg_bwd[(NT, B * H, NKG)](dG_p, dgl, dummy if z is None else z, dummy if A_log is None else A_log,
+                              dummy if dt_bias is None else dt_bias, dg, dummy if dA_part is None else dA_part,
+                              dummy if ddt_part is None else ddt_part, T, H, K, BKG, BT, gate, float(g_min),
+                              **g_opts)
+    dA_log = dA_part.sum((0, 2, 3)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
 

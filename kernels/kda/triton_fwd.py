@@ -51,6 +51,8 @@ LAUNCH = {
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
     "bwd_local_k": dict(RB=16, num_warps=8),
+    "gate_cumsum": dict(BKS=32, num_warps=4),
+    "dg_bwd": dict(BKS=32, num_warps=4),
 }
 
 
@@ -87,19 +89,21 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
 ):
-    """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay. GATE: 0 = g given, 1 = sigmoid
-    map g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
+    """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
+    columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
+    g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
-    With CHECK (a gate not bounded below), Safe[b, h, n] = 1 when every 16-row sub-block of the chunk
-    decays by at most SAFE_RANGE in every channel, so the tensor-core path is exact there too."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    With CHECK (a gate not bounded below), Safe[b, h, n] (set to 1 before the launch) is cleared unless
+    every 16-row sub-block of the chunk decays by at most SAFE_RANGE in every channel, so that the
+    tensor-core path is exact there too."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
-    x = _load_tile(g + (i_b * T * H + i_h) * K, i_n * BTC, T, H * K, K, BTC, BK)
-    c = tl.arange(0, BK)
+    x = _load_tile(g + (i_b * T * H + i_h) * K + i_k * BKS, i_n * BTC, T, H * K, K - i_k * BKS, BTC, BKS)
+    c = i_k * BKS + tl.arange(0, BKS)
     r = i_n * BTC + tl.arange(0, BTC)
     valid = (r[:, None] < T) & (c[None, :] < K)
     if GATE == 1:
@@ -121,7 +125,7 @@ def _gate_cumsum(
         for m in tl.static_range(BTC // BCC):
             inner = tl.where(((blk == m) & (r16 > 0))[:, None], x, 0.0)
             worst = tl.maximum(worst, tl.max(-tl.sum(inner, axis=0), axis=0))
-        tl.store(Safe + i_bh * NT + i_n, (worst <= SAFE_RANGE).to(tl.int32))
+        tl.atomic_min(Safe + i_bh * NT + i_n, (worst <= SAFE_RANGE).to(tl.int32))
 
 
 @triton.jit
@@ -512,10 +516,13 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     dev = q.device
     f32 = torch.float32
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    Safe = torch.empty(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
+    Safe = torch.ones(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
     dummy = G
-    _gate_cumsum[(NT, B * H)](g, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, G, Safe,
-                              T, H, K, BK, gate, float(g_min), BT, BC, not safe_gate, num_warps=4)
+    _, opts = launch("gate_cumsum")
+    BKS = min(opts.pop("BKS"), BK)
+    _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
+                                                    dummy if dt_bias is None else dt_bias, G, Safe, T, H, K, BKS,
+                                                    gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     for chunks in chunk_sets(safe_gate):
