@@ -1,6 +1,7 @@
 """Search the launch configurations of the Triton KDA kernels (``kernels.kda.triton_fwd.LAUNCH``) on a GPU.
 
     python benchmarks/kda_tune.py [--shape 4,4096,16,128,128] [--reps 10] [--budget-s 300]
+    python benchmarks/kda_tune.py --budget-s 0 --set output.BV=128 --set output.num_warps=8   # time one table
 
 Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
 warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
@@ -10,7 +11,9 @@ sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.be
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result up to summation order.
 Prints each trial as it lands, then the tuned table and both decay maps timed with the starting and the
-tuned table, and with fla's ``chunk_kda`` when fla-core is installed (same process, same inputs).
+tuned table, and with fla's ``chunk_kda`` when fla-core is installed (same process, same inputs; not with
+--no-fla). ``--set`` changes the starting table, so ``--budget-s 0`` times a given configuration; run one
+process per configuration when a configuration may crash the process (see the grid's notes).
 """
 from __future__ import annotations
 
@@ -47,6 +50,23 @@ GRID = {
     "gate_cumsum": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "dg_bwd": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),
 }
+
+
+def set_option(table: dict, item: str) -> None:
+    """Apply one ``KERNEL.OPTION=VALUE`` (an int) to a launch table; ValueError naming the valid choices."""
+    key, sep, value = item.partition("=")
+    kernel, dot, option = key.partition(".")
+    if not (sep and dot):
+        raise ValueError(f"--set takes KERNEL.OPTION=VALUE, got {item!r}")
+    if kernel not in table:
+        raise ValueError(f"unknown kernel {kernel!r} in --set; valid: {', '.join(table)}")
+    valid = set(table[kernel]) | set(GRID.get(kernel, {})) | {"num_warps", "num_stages"}
+    if option not in valid:
+        raise ValueError(f"unknown option {option!r} of {kernel} in --set; valid: {', '.join(sorted(valid))}")
+    try:
+        table[kernel][option] = int(value)
+    except ValueError:
+        raise ValueError(f"--set {item!r}: the value must be an integer") from None
 
 
 def fwd_bwd_ms(shape, decay, reps, run=run_ours) -> float:
@@ -96,10 +116,18 @@ def main(argv=None):
                    help="keep a new value only if it is faster by more than this fraction")
     p.add_argument("--kernels", type=lambda s: s.split(","), default=list(GRID),
                    help=f"comma-separated kernels to search (default: all of {', '.join(GRID)})")
+    p.add_argument("--set", action="append", default=[], metavar="KERNEL.OPTION=VALUE",
+                   help="change the starting table (repeatable), e.g. bwd_state.num_warps=4")
+    p.add_argument("--no-fla", action="store_true", help="do not time fla's chunk_kda")
     args = p.parse_args(argv)
     unknown = sorted(set(args.kernels) - set(GRID))
     if unknown:
         p.error(f"unknown kernel(s) {', '.join(unknown)}; valid: {', '.join(GRID)}")
+    for item in args.set:
+        try:
+            set_option(triton_fwd.LAUNCH, item)
+        except ValueError as err:
+            p.error(str(err))
     if not torch.cuda.is_available():
         raise SystemExit("kda_tune needs a CUDA device")
     initial = copy.deepcopy(triton_fwd.LAUNCH)
@@ -107,7 +135,7 @@ def main(argv=None):
     print("\ntuned LAUNCH = {", flush=True)
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
-    with_fla = importlib.util.find_spec("fla") is not None
+    with_fla = not args.no_fla and importlib.util.find_spec("fla") is not None
     print("}\n\n| decay | starting table ms | tuned table ms | speed-up | fla chunk_kda ms | tuned / fla |\n"
           "|---|---|---|---|---|---|")
     for decay in ("sigmoid", "softplus"):
