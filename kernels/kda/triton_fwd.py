@@ -466,7 +466,7 @@ def one_wave_block(widest: int, V: int, rows: int, sms: int) -> int:
     pass is latency-bound, so a narrower block shortens every step as long as no program waits for an SM.
     Used by the forward ``_state`` and the reverse ``_bwd_state``. On the H200 (132 SMs, K = V = 128)
     this keeps 64 at B x H = 64 (32 was slower: 6.85 vs 6.61 ms forward+backward) and picks 16 at
-    B x H = 16, for ``_state`` (9.00 ms vs 9.34 for 64) and ``_bwd_state`` (7.81 vs 8.66 ms; logs in
+    B x H = 16, for ``_state`` (9.00 ms vs 9.34 for 64) and ``_bwd_state`` (8.74 -> 7.73 ms; logs in
     benchmarks/logs)."""
     bv = widest
     while bv > 16 and triton.cdiv(V, bv // 2) * rows <= sms:
