@@ -279,11 +279,13 @@ def main(argv=None):
 
 def profile_kernels(shape, with_fla):
     """Per-kernel CUDA time of one forward+backward of kda_gated (and of fla's chunk_kda when
-    with_fla), for both maps (torch profiler), so stages can be compared kernel by kernel."""
+    with_fla), for both maps (torch profiler), so stages can be compared kernel by kernel; then the total
+    GPU kernel time of each and their ratio."""
     B, T, H, K, V = shape
     impls = [("ours", run_ours)] + ([("fla", run_fla)] if with_fla else [])
     for decay in ("sigmoid", "softplus"):
         xs = make_inputs(B, T, H, K, V, decay, "cuda")
+        gpu_ms = {}
         for name, fn in impls:
             for _ in range(2):
                 fn(*xs, decay).sum().backward()
@@ -297,6 +299,17 @@ def profile_kernels(shape, with_fla):
             except (AttributeError, KeyError):
                 table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16)
             print(table, flush=True)
+            gpu_ms[name] = kernel_ms(prof)
+        if with_fla:  # wall-clock time also counts the host's gaps between kernels; this ratio does not
+            print(f"GPU kernel time of one forward+backward, {decay}: ours {gpu_ms['ours']:.2f} ms, "
+                  f"fla {gpu_ms['fla']:.2f} ms, ours / fla {gpu_ms['ours'] / gpu_ms['fla']:.2f}\n", flush=True)
+
+
+def kernel_ms(prof) -> float:
+    """Total self time of the device kernels a torch profiler recorded, in ms."""
+    events = prof.key_averages()
+    return sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+               for e in events) / 1e3
 
 
 if __name__ == "__main__":
