@@ -455,7 +455,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     Qg, Kd, Wc = (torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype) for _ in range(3))
     _bwd_state_prep[(NT, B * H)](q, k, G, P, W, do, Qg, Kd, Wc, dDl, float(scale), T, H, K, V, BK,
-                                 min(64, _pow2(V)), BT, prec, num_warps=4)
+                                 min(64, _pow2(V)), BT, prec, num_warps=8)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
