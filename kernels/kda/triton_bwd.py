@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from ..device import sm_count
-from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2, _softplus, chunk_sets,
-                         dot_precision, launch, one_wave_block, state_pass)
+from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2,
+                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass)
 
 
 @triton.jit
