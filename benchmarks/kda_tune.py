@@ -37,9 +37,10 @@ from kernels.kda import triton_fwd  # noqa: E402
 GRID = {
     "bwd_local_v": dict(BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
     "bwd_local_kv": dict(BKS=[32, 64], BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
-    # no 2 stages: they need 262144 B of shared memory at BV=64 (232448 available), and at BV=16 they once made
-    # an illegal memory access (logs/kda_tune_h200_bwd_state_T16384_crash.txt)
-    "bwd_state": dict(BV=[16, 32, 64], num_warps=[4, 8]),
+    # operands take dO's dtype: with bf16, 3 stages fit at BV=64 (205 KB of shared memory); with float32
+    # (fp32 inputs) 2 stages need 262144 B (232448 available), and a float32 trial at BV=16 once made an
+    # illegal memory access (logs/kda_tune_h200_bwd_state_T16384_crash.txt)
+    "bwd_state": dict(BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2, 3]),
     "bwd_local_k": dict(RB=[16, 32, 64], num_warps=[4, 8, 16]),
     # no 8 warps: with BV=16 they made an illegal memory access on the H200 under Triton 3.6, which ends the
     # process (logs/kda_tune_h200_T16384_crash.txt); at BV=64 they were no faster than 4 (round 3)

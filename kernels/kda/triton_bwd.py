@@ -24,18 +24,19 @@ import triton
 import triton.language as tl
 
 from ..device import sm_count
-from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_tile, _pow2, _softplus, chunk_sets,
-                         dot_precision, launch, one_wave_block, state_pass)
+from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2,
+                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass)
 
 
 @triton.jit
 def _bwd_state_prep(
-    q, k, G, P, do, Qg, Kd, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
+    q, k, G, P, W, do, Qg, Kd, Wc, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk, everything of the reverse pass that does not depend on dS', so that ``_bwd_state``'s
     sequential steps only load and multiply: the intra-chunk part of d delta, P^T dO (into dDl
-    [B, T, H, V]), and the decayed q and k, Qg = scale q e^G and Kd = k e^{G_last - G} ([B, H, Tp, K])."""
+    [B, T, H, V]); the decayed q and k, Qg = scale q e^G and Kd = k e^{G_last - G}, and a copy Wc of W,
+    each [B, H, Tp, K] in the dtype of dO (the reverse pass's tensor-core operands; zero in padded rows)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
@@ -48,9 +49,12 @@ def _bwd_state_prep(
     g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
     poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
     pmask = ck[None, :] < K
-    tl.store(Qg + poff, _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale, mask=pmask)
-    tl.store(Kd + poff, _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc),
-             mask=pmask)
+    op = Qg.dtype.element_ty
+    qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
+    kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
+    tl.store(Qg + poff, qg.to(op), mask=pmask)
+    tl.store(Kd + poff, kd.to(op), mask=pmask)
+    tl.store(Wc + poff, _load_rows(W + base_k, 0, T_local, stride_k, K, BTC, BK).to(op), mask=pmask)
     pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
     for iv in range(tl.cdiv(V, BV)):
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
@@ -62,13 +66,15 @@ def _bwd_state_prep(
 
 @triton.jit
 def _bwd_state(
-    Qg, Kd, W, G, do, dht, dHs, dDl, dh0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Qg, Kd, Wc, G, do, dht, dHs, dDl, dh0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
     and completes d delta in dDl (P^T dO there, from ``_bwd_state_prep``, plus Kd dS'); then the
-    initial-state gradient."""
+    initial-state gradient. dS' accumulates in float32; the products take the operands' dtype (that of
+    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands load straight into shared
+    memory, so that with 2-3 stages the next chunk's loads overlap this chunk's products."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -90,17 +96,17 @@ def _bwd_state(
         tl.store(dHs + (i_bh * NT + n) * K * V + hoff, dh, mask=hmask)
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
         pbase = (i_bh * NT * BTC + t0) * K
-        kd = _load_tile(Kd + pbase, 0, BTC, K, K, BTC, BK)
-        qg = _load_tile(Qg + pbase, 0, BTC, K, K, BTC, BK)
-        w = _load_tile(W + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
+        kd = _load_rows(Kd + pbase, 0, BTC, K, K, BTC, BK)
+        qg = _load_rows(Qg + pbase, 0, BTC, K, K, BTC, BK)
+        w = _load_rows(Wc + pbase, 0, BTC, K, K, BTC, BK)
         g_last = tl.load(G + (i_bh * NT * BTC + t0 + BTC - 1) * K + ck, mask=ck < K, other=0.0)
-        dO = _load_tile(do + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
+        dO = _load_rows(do + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
         dmask = (r[:, None] < T_local) & (cv[None, :] < V)
         dd_ptr = dDl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :]
-        dd = tl.load(dd_ptr, mask=dmask, other=0.0) + tl.dot(kd, dh, input_precision=PREC)
+        dd = tl.load(dd_ptr, mask=dmask, other=0.0) + tl.dot(kd, dh.to(kd.dtype), input_precision=PREC)
         tl.store(dd_ptr, dd, mask=dmask)
         dh = (tl.dot(tl.trans(qg), dO, input_precision=PREC) + dh * tl.exp(g_last)[:, None]
-              - tl.dot(tl.trans(w), dd, input_precision=PREC))
+              - tl.dot(tl.trans(w), dd.to(w.dtype), input_precision=PREC))
     if STORE_DH0:
         tl.store(dh0 + i_bh * K * V + hoff, dh, mask=hmask)
 
@@ -447,11 +453,9 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     G, Safe, At, P, Tinv, W = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    # dq_p and dk_p first hold Qg and Kd for the reverse pass; _bwd_local_kv then overwrites them
-    dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    dk_p = torch.empty_like(dq_p)
-    _bwd_state_prep[(NT, B * H)](q, k, G, P, do, dq_p, dk_p, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)),
-                                 BT, prec, num_warps=4)
+    Qg, Kd, Wc = (torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype) for _ in range(3))
+    _bwd_state_prep[(NT, B * H)](q, k, G, P, W, do, Qg, Kd, Wc, dDl, float(scale), T, H, K, V, BK,
+                                 min(64, _pow2(V)), BT, prec, num_warps=8)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
@@ -463,8 +467,11 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     BVS, opts = launch("bwd_state", V)
     BVS = one_wave_block(BVS, V, B * H, sm_count(dev))
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
-        dq_p, dk_p, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
+        Qg, Kd, Wc, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
         T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
+    del Qg, Kd, Wc
+    dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    dk_p = torch.empty_like(dq_p)
     dv = torch.empty_like(v)
     dPs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     dAs = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)

@@ -47,7 +47,7 @@ LAUNCH = {
     "wy": dict(num_warps=2, num_stages=3),
     "state": dict(BV=64, num_warps=4, num_stages=2),
     "output": dict(BV=64, num_warps=4),
-    "bwd_state": dict(BV=64, num_warps=8, num_stages=1),
+    "bwd_state": dict(BV=64, num_warps=8, num_stages=3),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
     "bwd_local_k": dict(RB=16, num_warps=8),
@@ -72,13 +72,19 @@ def _chunk(i_n, i_bh, T, H: tl.constexpr, BTC: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
+def _load_rows(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
     """Rows r0 .. r0+NR of a row-major matrix (row stride ``stride``), zero where row >= nrows or
-    col >= ncols, as float32 [NR, NC]."""
+    col >= ncols, [NR, NC] in the matrix's dtype."""
     r = r0 + tl.arange(0, NR)
     c = tl.arange(0, NC)
     m = (r[:, None] < nrows) & (c[None, :] < ncols)
-    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=m, other=0.0).to(tl.float32)
+    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _load_tile(ptr, r0, nrows, stride, ncols, NR: tl.constexpr, NC: tl.constexpr):
+    """``_load_rows`` as float32."""
+    return _load_rows(ptr, r0, nrows, stride, ncols, NR, NC).to(tl.float32)
 
 
 @triton.jit
