@@ -187,7 +187,7 @@ def bench_kda(args):
 
     env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
            + (f", fla-core {__import__('fla').__version__}" if have_fla else ", fla-core not installed"))
-    lines += [f"# KDA kernel benchmark", "", f"Measured {stamp} on {env}.", "",
+    lines += ["# KDA kernel benchmark", "", f"Measured {stamp} on {env}.", "",
               f"Command: `{' '.join(['python -m kernels.bench'] + sys.argv[1:])}`", ""]
     shown = 0
 

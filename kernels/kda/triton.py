@@ -13,9 +13,11 @@ Entry points:
   computation in plain PyTorch (any backend), used by the tests.
 
 Supported: any B, H and T >= 1 (ragged last chunk); K <= 128 (tested 16, 32, 64, 128; other values
-are masked to the next power of two); any V (tested 16 to 128, tiled by 64); fp32 inputs run exact
-fp32 matmuls, bf16 inputs tf32 matmuls with fp32 accumulation and fp32 intermediates; the state is
-fp32. The backward stores nothing in bf16 and reads the chunk states kept by the forward.
+are masked to the next power of two); any V (tested 16 to 128, tiled by 64). fp32 inputs run exact
+fp32 matmuls on fp32 intermediates. bf16/fp16 inputs keep the normalised q/k, W, U, Kd, delta and the
+chunk states in their own dtype (``triton_fwd.storage_dtype``; G, At, P and Tinv stay fp32), run the
+two sequential state passes on half-precision operands and the other matmuls in tf32, always with
+fp32 accumulation; the running state is fp32. The backward reads the chunk states kept by the forward.
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ class KDATritonFunction(torch.autograd.Function):
         saved = dict(zip(ctx.saved_names, rest))
         dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
             q, k, v, beta, ctx.scale, h0, saved, do, dht, ctx.safe_gate, ctx.prec,
-            gate=GATES[ctx.gate], z=g, A_log=A_log, dt_bias=dt_bias, g_min=ctx.g_min)
+            gate=GATES[ctx.gate], z=g, A_log=A_log, dt_bias=dt_bias, g_min=ctx.g_min,
+            dqk_dtype=torch.float32 if ctx.fuse_prep else None)
         if ctx.fuse_prep:
             dq, dk, dbeta = prep_bwd(q, k, beta, rq, rk, dq, dk, dbeta, *ctx.dtypes)
         if dA_log is not None:

@@ -1,6 +1,6 @@
 """Triton backward kernels for chunkwise KDA (notation of ``triton_fwd.py``; arXiv:2510.26692).
 
-By default the forward stores the chunk-entry states S_n (fp32) and delta for the backward; with
+By default the forward stores the chunk-entry states S_n and delta for the backward; with
 ``recompute_states`` it keeps U instead and the backward reruns the sequential ``_state`` pass (less
 memory for one more pass: benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
 leaving the chunk and Kd = K * e^{G_last - G}:
@@ -30,13 +30,13 @@ from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _l
 
 @triton.jit
 def _bwd_state_prep(
-    q, k, G, P, W, do, Qg, Kd, Wc, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
+    q, G, P, do, Qg, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per chunk, everything of the reverse pass that does not depend on dS', so that ``_bwd_state``'s
     sequential steps only load and multiply: the intra-chunk part of d delta, P^T dO (into dDl
-    [B, T, H, V]); the decayed q and k, Qg = scale q e^G and Kd = k e^{G_last - G}, and a copy Wc of W,
-    each [B, H, Tp, K] in the dtype of dO (the reverse pass's tensor-core operands; zero in padded rows)."""
+    [B, T, H, V]), and the decayed q, Qg = scale q e^G [B, H, Tp, K] in the dtype of dO (a tensor-core
+    operand of the reverse pass, like the forward's Kd and W; zero in padded rows)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
@@ -46,15 +46,9 @@ def _bwd_state_prep(
     base_k = (i_b * T * H + i_h) * K + t0 * stride_k
     G_ptr = G + (i_bh * NT * BTC + t0) * K
     Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
     poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
-    pmask = ck[None, :] < K
-    op = Qg.dtype.element_ty
     qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
-    kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
-    tl.store(Qg + poff, qg.to(op), mask=pmask)
-    tl.store(Kd + poff, kd.to(op), mask=pmask)
-    tl.store(Wc + poff, _load_rows(W + base_k, 0, T_local, stride_k, K, BTC, BK).to(op), mask=pmask)
+    tl.store(Qg + poff, qg.to(Qg.dtype.element_ty), mask=ck[None, :] < K)
     pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
     for iv in range(tl.cdiv(V, BV)):
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
@@ -66,15 +60,16 @@ def _bwd_state_prep(
 
 @triton.jit
 def _bwd_state(
-    Qg, Kd, Wc, G, do, dht, dHs, dDl, dh0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Qg, Kd, W, G, do, dht, dHs, dDl, dh0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
     and completes d delta in dDl (P^T dO there, from ``_bwd_state_prep``, plus Kd dS'); then the
     initial-state gradient. dS' accumulates in float32; the products take the operands' dtype (that of
-    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands load straight into shared
-    memory, so that with 2-3 stages the next chunk's loads overlap this chunk's products."""
+    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands (Qg, and the forward's Kd
+    and W) load straight into shared memory, so that with 2-3 stages the next chunk's loads overlap this
+    chunk's products."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -86,7 +81,6 @@ def _bwd_state(
         dh = tl.load(dht + i_bh * K * V + hoff, mask=hmask, other=0.0).to(tl.float32)
     else:
         dh = tl.zeros([BK, BV], dtype=tl.float32)
-    stride_k = H * K
     stride_v = H * V
     r = tl.arange(0, BTC)
     for i in range(NT):
@@ -98,7 +92,7 @@ def _bwd_state(
         pbase = (i_bh * NT * BTC + t0) * K
         kd = _load_rows(Kd + pbase, 0, BTC, K, K, BTC, BK)
         qg = _load_rows(Qg + pbase, 0, BTC, K, K, BTC, BK)
-        w = _load_rows(Wc + pbase, 0, BTC, K, K, BTC, BK)
+        w = _load_rows(W + pbase, 0, BTC, K, K, BTC, BK)
         g_last = tl.load(G + (i_bh * NT * BTC + t0 + BTC - 1) * K + ck, mask=ck < K, other=0.0)
         dO = _load_rows(do + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
         dmask = (r[:, None] < T_local) & (cv[None, :] < V)
@@ -182,7 +176,7 @@ def _bwd_local_kv(
                                       stride_v, BTC, BV)
         hmask = (ck[:, None] < K) & (cv[None, :] < V)
         hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
-        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
+        h = tl.load(Hs + hoff, mask=hmask, other=0.0).to(tl.float32)
         dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
         dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
         dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
@@ -435,11 +429,12 @@ def _dg_bwd(
 
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
-            gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0):
+            gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0, dqk_dtype=None):
     """Launch the backward kernels. Returns dq, dk, dv, dg, dbeta, the initial-state gradient (None
     without an initial state), dA_log and ddt_bias. Without a fused gate (gate = 0) dg is the gradient
     of the log-decay g and the last two are None; with gate 1 (sigmoid) or 2 (softplus) it is the
-    gradient of the raw input z, and dA_log [H] (and ddt_bias [H * K] for softplus) come along."""
+    gradient of the raw input z, and dA_log [H] (and ddt_bias [H * K] for softplus) come along.
+    dqk_dtype: dtype of dq and dk (default q's); float32 when they feed the L2-norm backward."""
     import torch
 
     B, T, H, K = q.shape
@@ -450,26 +445,26 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Safe, At, P, Tinv, W = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W"))
+    G, Safe, At, P, Tinv, W, Kd = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    Qg, Kd, Wc = (torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype) for _ in range(3))
-    _bwd_state_prep[(NT, B * H)](q, k, G, P, W, do, Qg, Kd, Wc, dDl, float(scale), T, H, K, V, BK,
-                                 min(64, _pow2(V)), BT, prec, num_warps=8)
+    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype)
+    _bwd_state_prep[(NT, B * H)](q, G, P, do, Qg, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)), BT, prec,
+                                 num_warps=8)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
         h0 = None if initial_state is None else initial_state.contiguous()
-        Hs, Dl, _ = state_pass(k, W, saved["U"], G, h0, prec, False)
+        Hs, Dl, _ = state_pass(Kd, W, saved["U"], G, h0, prec, False)
     dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
     BVS, opts = launch("bwd_state", V)
     BVS = one_wave_block(BVS, V, B * H, sm_count(dev))
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
-        Qg, Kd, Wc, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
+        Qg, Kd, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
         T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
-    del Qg, Kd, Wc
+    del Qg
     dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     dk_p = torch.empty_like(dq_p)
     dv = torch.empty_like(v)
@@ -489,8 +484,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     _bwd_local_kv[(NT, B * H, NK)](q, k, beta, G, Tinv, Hs, dHs, Dl, dDl, do, dq_p, dk_p, dG_p, dgl, dT_parts,
                                    db_parts, float(scale), T, H, K, V, BKS, BVK, BT, prec, **kv_opts)
     _bwd_dA[(NT, B * H)](beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H, 1 + NK, BT, prec, num_warps=4)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
+    dq = torch.empty(q.shape, device=dev, dtype=dqk_dtype or q.dtype)
+    dk = torch.empty(k.shape, device=dev, dtype=dqk_dtype or k.dtype)
     if not safe_gate:
         BKD = min(BK, 32)
         _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC,
@@ -519,7 +514,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
 @triton.jit
 def _l2norm_rows_bwd(xn_ptr, dxn_ptr, inv_ptr, dx_ptr, r, off, m, N):
     """dx = (dxn - xn <xn, dxn>) / |x| over the rows r, in dx's dtype (backward of ``_l2norm_rows``)."""
-    x = tl.load(xn_ptr + off, mask=m, other=0.0)
+    x = tl.load(xn_ptr + off, mask=m, other=0.0).to(tl.float32)
     dx = tl.load(dxn_ptr + off, mask=m, other=0.0).to(tl.float32)
     inv = tl.load(inv_ptr + r, mask=r < N, other=0.0)
     tl.store(dx_ptr + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dx_ptr.dtype.element_ty),

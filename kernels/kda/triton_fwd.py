@@ -12,8 +12,9 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
 
 Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
 16 rows at a time; for an unbounded gate ``_intra_diag`` then fills their diagonal sub-blocks),
-``_wy`` (Tinv by 16x16 blocks, U, W), ``_state`` (the sequential pass over chunks, one program per
-(b, h, V-block)), ``_output``.
+``_wy`` (Tinv by 16x16 blocks, U, W, and Kd = K * e^{G_last - G}), ``_state`` (the sequential pass
+over chunks, one program per (b, h, V-block), whose products take W and Kd as they are stored),
+``_output``.
 
 Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
 inside ``tl.dot``: with SAFE = False (any gate, e.g. softplus) the split points are the first row
@@ -45,12 +46,12 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 LAUNCH = {
     "intra": dict(num_warps=8),
     "wy": dict(num_warps=2, num_stages=3),
-    "state": dict(BV=64, num_warps=4, num_stages=2),
+    "state": dict(BV=64, num_warps=4, num_stages=3),
     "output": dict(BV=64, num_warps=4),
     "bwd_state": dict(BV=64, num_warps=8, num_stages=3),
     "bwd_local_v": dict(BV=32, num_warps=8, num_stages=2),
     "bwd_local_kv": dict(BKS=64, BV=32, num_warps=8, num_stages=2),
-    "bwd_local_k": dict(RB=16, num_warps=8),
+    "bwd_local_k": dict(RB=16, num_warps=4),
     "gate_cumsum": dict(BKS=32, num_warps=4),
     "dg_bwd": dict(BKS=32, num_warps=4),
 }
@@ -301,17 +302,30 @@ def _inv_unit_lower(A, BCC: tl.constexpr):
 
 
 @triton.jit
+def _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, n, T_local, stride_k, K,
+                  BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
+    """Rows n*BC .. n*BC+BC of one chunk: stores Kd = k e^{G_last - G} there (row-major, row stride K) and
+    returns k e^G, float32 [BC, BK]."""
+    kn = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+    Gn = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+    _store_rows(kd_ptr, n, BTC, K, K, kn * tl.exp(g_last[None, :] - Gn), BCC, BK)
+    return kn * tl.exp(Gn)
+
+
+@triton.jit
 def _dot(a, b, PREC: tl.constexpr):
     return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def _wy(
-    k, v, beta, G, At, Tinv, U, W, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    k, v, beta, G, At, Tinv, U, W, Kd, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
-    T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V, W = Tinv Diag(beta) (K e^G)."""
+    T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V [B, T, H, V], and the state
+    pass's operands W = Tinv Diag(beta) (K e^G) and Kd = K e^{G_last - G}, [B, H, Tp, K] (zero in padded
+    rows), each in its tensor's dtype."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     A_ptr = At + (i_bh * NT * BTC + t0) * BTC
@@ -355,22 +369,23 @@ def _wy(
     k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride_k
     v_ptr = v + (i_b * T * H + i_h) * V + t0 * stride_v
     G_ptr = G + (i_bh * NT * BTC + t0) * K
-    bk0 = _load_tile(k_ptr, 0 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 0 * BCC, BTC, K, K, BCC, BK)) * bt0[:, None]
-    bk1 = _load_tile(k_ptr, 1 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 1 * BCC, BTC, K, K, BCC, BK)) * bt1[:, None]
-    bk2 = _load_tile(k_ptr, 2 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 2 * BCC, BTC, K, K, BCC, BK)) * bt2[:, None]
-    bk3 = _load_tile(k_ptr, 3 * BCC, T_local, stride_k, K, BCC, BK) * tl.exp(_load_tile(G_ptr, 3 * BCC, BTC, K, K, BCC, BK)) * bt3[:, None]
     ck = tl.arange(0, BK)
-    w_ptr = W + (i_b * T * H + i_h) * K + t0 * stride_k
+    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+    w_ptr = W + (i_bh * NT * BTC + t0) * K
+    kd_ptr = Kd + (i_bh * NT * BTC + t0) * K
+    bk0 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 0, T_local, stride_k, K, BTC, BCC, BK) * bt0[:, None]
+    bk1 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 1, T_local, stride_k, K, BTC, BCC, BK) * bt1[:, None]
+    bk2 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 2, T_local, stride_k, K, BTC, BCC, BK) * bt2[:, None]
+    bk3 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 3, T_local, stride_k, K, BTC, BCC, BK) * bt3[:, None]
     w0 = _dot(T00, bk0, PREC)
     w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
     w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
     w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
-    _store_rows(w_ptr, 0, T_local, stride_k, K, w0, BCC, BK)
-    _store_rows(w_ptr, 1, T_local, stride_k, K, w1, BCC, BK)
-    _store_rows(w_ptr, 2, T_local, stride_k, K, w2, BCC, BK)
-    _store_rows(w_ptr, 3, T_local, stride_k, K, w3, BCC, BK)
+    _store_rows(w_ptr, 0, BTC, K, K, w0, BCC, BK)
+    _store_rows(w_ptr, 1, BTC, K, K, w1, BCC, BK)
+    _store_rows(w_ptr, 2, BTC, K, K, w2, BCC, BK)
+    _store_rows(w_ptr, 3, BTC, K, K, w3, BCC, BK)
     u_ptr = U + (i_b * T * H + i_h) * V + t0 * stride_v
-    cv = tl.arange(0, BV)
     for iv in range(tl.cdiv(V, BV)):
         vp = v_ptr + iv * BV
         nv = V - iv * BV
@@ -390,12 +405,15 @@ def _wy(
 
 @triton.jit
 def _state(
-    k, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Kd, W, U, G, h0, Hs, Dl, ht, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
 ):
     """Sequential pass over chunks for one (b, h, V-block): stores the state entering each chunk
-    (Hs [B, H, NT, K, V], float32) and delta = U - W S (Dl [B, T, H, V], float32)."""
+    (Hs [B, H, NT, K, V]) and delta = U - W S (Dl [B, T, H, V]). The state stays float32; the two
+    products take the dtype of W and Kd ([B, H, Tp, K], from ``_wy``) as operands, which load straight
+    into shared memory, so that with 2-3 stages the next chunk's loads overlap this chunk's products
+    (the recipe of fla's forward state kernel)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -407,25 +425,22 @@ def _state(
         h = tl.load(h0 + i_bh * K * V + hoff, mask=hmask, other=0.0).to(tl.float32)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
-    stride_k = H * K
     stride_v = H * V
+    r = tl.arange(0, BTC)
     for n in range(NT):
         t0 = n * BTC
         T_local = T - t0
         tl.store(Hs + (i_bh * NT + n) * K * V + hoff, h, mask=hmask)
-        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        pbase = (i_bh * NT * BTC + t0) * K
+        w = _load_rows(W + pbase, 0, BTC, K, K, BTC, BK)
+        kd = _load_rows(Kd + pbase, 0, BTC, K, K, BTC, BK)
+        g_last = tl.load(G + pbase + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
-        w = _load_tile(W + base_k, 0, T_local, stride_k, K, BTC, BK)
-        u = _load_tile(U + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
-        d = u - tl.dot(w, h, input_precision=PREC)
-        r = tl.arange(0, BTC)
+        d = (_load_tile(U + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
+             - tl.dot(w, h.to(w.dtype), input_precision=PREC))
         tl.store(Dl + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], d,
                  mask=(r[:, None] < T_local) & (cv[None, :] < V))
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
-        kd = _load_tile(k + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(g_last[None, :] - Gc)
-        h = h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), d, input_precision=PREC)
+        h = h * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kd), d.to(kd.dtype), input_precision=PREC)
     if STORE_HT:
         tl.store(ht + i_bh * K * V + hoff, h, mask=hmask)
 
@@ -435,7 +450,8 @@ def _output(
     q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """o = scale (q * e^G) S_n + P delta for one chunk and V-block."""
+    """o = scale (q * e^G) S_n + P delta for one chunk and V-block (S_n and delta stored in the inputs'
+    dtype, the products on float32 operands: bf16 operands were no faster, 4.84 vs 4.74 ms fwd+bwd)."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
@@ -445,7 +461,7 @@ def _output(
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     h = tl.load(Hs + (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :],
-                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
+                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0).to(tl.float32)
     r = tl.arange(0, BTC)
     p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
     base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
@@ -466,6 +482,15 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def storage_dtype(dtype):
+    """Dtype of the intermediates kept between kernels (normalised q/k, W, U, Kd, delta, chunk states)
+    for inputs of `dtype`: bf16/fp16 for half-precision inputs, halving their memory traffic as fla
+    does (G, At, P and Tinv stay float32), float32 otherwise."""
+    import torch
+
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def one_wave_block(widest: int, V: int, rows: int, sms: int) -> int:
     """V-block width of a sequential pass over chunks with one program per (row, V-block): the narrowest
     of widest, widest / 2, ... 16 whose grid still fits one program per SM, else widest. Each step of the
@@ -480,21 +505,21 @@ def one_wave_block(widest: int, V: int, rows: int, sms: int) -> int:
     return bv
 
 
-def state_pass(k, W, U, G, h0, prec, output_final_state):
+def state_pass(Kd, W, U, G, h0, prec, output_final_state):
     """The sequential ``_state`` pass: chunk-entry states Hs [B, H, NT, K, V] and delta Dl [B, T, H, V]
-    (float32), and the final state [B, H, K, V] or None. Used by the forward, and by the backward when
-    the forward did not keep Hs and Dl (``recompute_states``)."""
+    in W's dtype, and the final state [B, H, K, V] (float32) or None. Used by the forward, and by the
+    backward when the forward did not keep Hs and Dl (``recompute_states``)."""
     import torch
 
-    B, T, H, K = k.shape
-    V = U.shape[-1]
+    B, T, H, V = U.shape
+    K = Kd.shape[-1]
     NT = triton.cdiv(T, BT)
-    Hs = torch.empty(B, H, NT, K, V, device=k.device, dtype=torch.float32)
-    Dl = torch.empty(B, T, H, V, device=k.device, dtype=torch.float32)
-    ht = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
+    Hs = torch.empty(B, H, NT, K, V, device=U.device, dtype=W.dtype)
+    Dl = torch.empty(B, T, H, V, device=U.device, dtype=W.dtype)
+    ht = torch.empty(B, H, K, V, device=U.device, dtype=torch.float32) if output_final_state else None
     BVS, opts = launch("state", V)
-    BVS = one_wave_block(BVS, V, B * H, sm_count(k.device))
-    _state[(triton.cdiv(V, BVS), B * H)](k, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
+    BVS = one_wave_block(BVS, V, B * H, sm_count(U.device))
+    _state[(triton.cdiv(V, BVS), B * H)](Kd, W, U, G, G if h0 is None else h0, Hs, Dl, G if ht is None else ht,
                                          T, H, K, V, _pow2(K), BVS, BT, h0 is not None, ht is not None, prec,
                                          **opts)
     return Hs, Dl, ht
@@ -507,7 +532,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
     recompute_states: keep U [B, T, H, V] for the backward instead of the chunk states Hs
     [B, H, NT, K, V] and delta [B, T, H, V], which the backward then recomputes with one more ``_state``
-    pass (saves K / 64 times delta's size: 268 MB per call at B=4, T=4096, H=16, K=V=128).
+    pass (saves K / 64 times delta's size: 134 MB per call at B=4, T=4096, H=16, K=V=128 in bf16).
     Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
     import torch
 
@@ -537,16 +562,18 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
-    U = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    W = torch.empty(B, T, H, K, device=dev, dtype=f32)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
+    sd = storage_dtype(v.dtype)
+    U = torch.empty(B, T, H, V, device=dev, dtype=sd)
+    W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
+    Kd = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
     h0 = initial_state.contiguous() if initial_state is not None else None
-    Hs, Dl, ht = state_pass(k, W, U, G, h0, prec, output_final_state)
+    Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
     _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
                                               **opts)
-    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W)
+    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd)
     saved.update(dict(U=U) if recompute_states else dict(Hs=Hs, Dl=Dl))
     return o, ht, saved
 
@@ -581,7 +608,7 @@ def prep_fwd(q, k, beta_logits):
 
     K = q.shape[-1]
     N = q.numel() // K
-    qn = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    qn = torch.empty(q.shape, device=q.device, dtype=storage_dtype(q.dtype))
     kn = torch.empty_like(qn)
     beta = torch.empty(beta_logits.shape, device=q.device, dtype=torch.float32)
     rq = torch.empty(beta.shape, device=q.device, dtype=torch.float32)
