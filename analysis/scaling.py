@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import multiprocessing as mp
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd

@@ -262,7 +262,7 @@ def test_recording_changes_nothing_and_measures_rms(name):
 
 def test_standard_residual_math_unchanged():
     """StandardResidual is still h <- h + f(h): compare with the plain loop."""
-    n, stack, emb = 6, toy_stack(6).double(), emb_input()
+    stack, emb = toy_stack(6).double(), emb_input()
     _, _, h = run(StandardResidual(), stack, emb)
     x = emb
     for f in stack:

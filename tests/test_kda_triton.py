@@ -36,7 +36,6 @@ KEY_SLICED = ("bwd_local_kv", "gate_cumsum", "dg_bwd")
 
 def _run_checks() -> dict:
     import torch
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_kda_torch import NAMES, make_inputs, outputs_and_grads, rel

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import k3lab.model.kda as kda_module
 from k3lab.config import DecayConfig, GLUConfig, ModelConfig, OptimConfig
-from k3lab.model.ffn import GLU, situ, softcap
+from k3lab.model.ffn import situ, softcap
 from k3lab.model.k3 import K3Model
 from k3lab.optim import build_optimizer
 

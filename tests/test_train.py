@@ -1,7 +1,6 @@
 """End-to-end runs on a tiny setting: the run directory contract, resume after SIGKILL, NaN handling,
 and config errors that name the valid options."""
 import json
-import os
 import signal
 import subprocess
 import sys
