@@ -72,6 +72,16 @@ def _run_checks() -> dict:
     triton_fwd.LAUNCH["gate_cumsum"] = saved_launch
     out["chunk_flags_half_saturated"] = saved["Safe"].tolist()
 
+    # what the forward keeps between kernels, by input dtype (triton_fwd.storage_dtype)
+    from kernels.kda.triton_fwd import prep_fwd
+
+    for dtype in (torch.float16, torch.float32):
+        xs = [x.to(dtype) for x in mild[:5]]
+        saved = kda_fwd(*xs, 16 ** -0.5, None, False, False, recompute_states=True)[2]
+        saved.update(kda_fwd(*xs, 16 ** -0.5, None, False, False)[2])
+        saved["q_normalised"] = prep_fwd(xs[0], xs[1], xs[4])[0]
+        out[f"kept_dtypes_{str(dtype)[6:]}"] = {n: str(t.dtype)[6:] for n, t in saved.items() if n != "Safe"}
+
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
 
@@ -177,6 +187,16 @@ def test_half_precision_inputs_within_half_precision_error(results, case):
     limit = {n: 2e-3 if n in ("o", "final_state", "dq", "dk", "dv") else 1e-2 for n in errs}
     bad = {n: e for n, e in errs.items() if not e < limit[n]}
     assert not bad, bad
+
+
+def test_half_inputs_keep_half_intermediates(results):
+    """Half-precision inputs keep the normalised q/k, U, W, Kd, delta and the chunk states in their dtype
+    (half the memory traffic); G, At, P and Tinv stay float32; float32 inputs keep everything float32."""
+    half, full = results["kept_dtypes_float16"], results["kept_dtypes_float32"]
+    assert set(half) == set(full) >= {"G", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised"}
+    assert {n for n, d in half.items() if d == "float16"} == set(half) - {"G", "At", "P", "Tinv"}
+    assert all(d == "float32" for n, d in half.items() if n in ("G", "At", "P", "Tinv"))
+    assert all(d == "float32" for d in full.values())
 
 
 def test_launch_table_changes_nothing(results):
