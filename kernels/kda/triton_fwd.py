@@ -44,7 +44,7 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 # another order); only speed differs. Found by `python benchmarks/kda_tune.py` on one H200 at B=4,
 # T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
-    "intra": dict(num_warps=8),
+    "intra": dict(BKS=32, num_warps=4),
     "wy": dict(num_warps=2, num_stages=3),
     "state": dict(BV=64, num_warps=4, num_stages=3),
     "output": dict(BV=64, num_warps=4),
@@ -174,65 +174,89 @@ def _covers(Safe, idx, CHUNKS: tl.constexpr):
 
 @triton.jit
 def _decayed_rows(
-    k_n, q_n, G_n, kk, Gall, n, G_ptr, K, SAFE: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, n, T_local, stride, K, SAFE: tl.constexpr,
+    NW: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
-    M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
-    whole chunk; G_ptr points at row 0 of the chunk's G. The key-side factors are shared by both
-    products. SAFE picks the split (middle row if true, first row if false). Returns two float32
-    [BC, BT]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
+    """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
+    columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
+    accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr
+    point at row 0 of the chunk. SAFE picks the split (middle row if true, first row if false). Returns
+    two float32 [BC, NW]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
     rows = n * BCC + tl.arange(0, BCC)
-    cols = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
-    if SAFE:
-        g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
-        e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
-        kf = tl.trans(kk * tl.exp(e_col))
-        rf = tl.exp(G_n - g_mid[None, :])
-        A = tl.dot(k_n * rf, kf, input_precision=PREC)
-        P = tl.dot(q_n * rf, kf, input_precision=PREC)
-    else:
-        g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
-        e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
-        kf = tl.trans(kk * tl.exp(tl.minimum(e_col, 0.0)))
-        rf = tl.exp(G_n - g_first[None, :])
+    cols = tl.arange(0, NW)
+    A = tl.zeros([BCC, NW], dtype=tl.float32)
+    P = tl.zeros([BCC, NW], dtype=tl.float32)
+    split = n * BCC + BCC // 2 if SAFE else n * BCC
+    for c0 in range(0, K, BKS):
+        ck = c0 + tl.arange(0, BKS)
+        nk = K - c0
+        G_n = _load_tile(G_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
+        k_n = _load_tile(k_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
+        q_n = _load_tile(q_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
+        kk = _load_tile(k_ptr + c0, 0, T_local, stride, nk, NW, BKS)
+        Gk = _load_tile(G_ptr + c0, 0, NW, K, nk, NW, BKS)
+        g_s = tl.load(G_ptr + split * K + ck, mask=ck < K, other=0.0)
+        rf = tl.exp(G_n - g_s[None, :])
+        if SAFE:
+            kf = tl.trans(kk * tl.exp(tl.where(cols[:, None] < (n + 1) * BCC, g_s[None, :] - Gk, 0.0)))
+        else:
+            kf = tl.trans(kk * tl.exp(tl.minimum(tl.where(cols[:, None] < n * BCC, g_s[None, :] - Gk, 0.0), 0.0)))
+        A += tl.dot(k_n * rf, kf, input_precision=PREC)
+        P += tl.dot(q_n * rf, kf, input_precision=PREC)
+    if not SAFE:
         earlier = cols[None, :] < n * BCC
-        A = tl.where(earlier, tl.dot(k_n * rf, kf, input_precision=PREC), 0.0)
-        P = tl.where(earlier, tl.dot(q_n * rf, kf, input_precision=PREC), 0.0)
+        A = tl.where(earlier, A, 0.0)
+        P = tl.where(earlier, P, 0.0)
     A = tl.where(rows[:, None] > cols[None, :], A, 0.0)
     P = tl.where(rows[:, None] >= cols[None, :], P, 0.0)
     return A, P
 
 
 @triton.jit
+def _intra_rows(
+    q_ptr, k_ptr, G_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+):
+    """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
+    from ``_decayed_rows``, zeros after them."""
+    rows = n * BCC + tl.arange(0, BCC)
+    a, p = _decayed_rows(q_ptr, k_ptr, G_ptr, n, T_local, stride, K, SAFE, NW, BCC, BKS, PREC)
+    offs = rows[:, None] * BTC + tl.arange(0, NW)[None, :]
+    tl.store(At_ptr + offs, a)
+    tl.store(P_ptr + offs, p * scale)
+    for m in tl.static_range(NW // BCC, BTC // BCC):
+        zoffs = rows[:, None] * BTC + m * BCC + tl.arange(0, BCC)[None, :]
+        tl.store(At_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
+        tl.store(P_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
+
+
+@triton.jit
 def _intra(
-    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT], for
-    the chunks of CHUNKS (flags in Safe [B * H * NT]; see ``chunk_sets``)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
+    (program axis 0: chunk * BT / BC + block), for the chunks of CHUNKS (flags in Safe [B * H * NT]; see
+    ``chunk_sets``). Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64
+    for BT = 4 BC); the rest are zero."""
+    i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if _covers(Safe, i_bh * NT + i_n, CHUNKS):
         stride = H * K
         q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
         k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
         G_ptr = G + (i_bh * NT * BTC + t0) * K
-        kk = _load_tile(k_ptr, 0, T_local, stride, K, BTC, BK)
-        Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        cols = tl.arange(0, BTC)
-        out_base = (i_bh * NT * BTC + t0) * BTC
-        for n in tl.static_range(BTC // BCC):
-            rows = n * BCC + tl.arange(0, BCC)
-            G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-            k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
-            q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-            a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS,
-                                 BTC, BCC, BK, PREC)
-            offs = out_base + rows[:, None] * BTC + cols[None, :]
-            tl.store(At + offs, a)
-            tl.store(P + offs, p * scale)
+        out = (i_bh * NT * BTC + t0) * BTC
+        SAFE: tl.constexpr = CHUNKS != UNSAFE_CHUNKS
+        if i_r == 0:
+            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
+                        BTC, BCC, BKS, PREC)
+        elif i_r == 1:
+            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
+                        BTC, BCC, BKS, PREC)
+        else:
+            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
+                        BTC, BCC, BKS, PREC)
 
 
 @triton.jit
@@ -556,9 +580,11 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                                                     gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    _, intra_opts = launch("intra")
+    BKS_I = min(intra_opts.pop("BKS"), BK)
     for chunks in chunk_sets(safe_gate):
-        _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, chunks, prec,
-                            **launch("intra")[1])
+        _intra[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
+                                         **intra_opts)
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
