@@ -31,7 +31,7 @@ CASES = {
 # chunk flags and dA_log parts combine across them
 GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
          "gated_sigmoid_two_key_slices": ("sigmoid", 16), "gated_softplus_two_key_slices": ("softplus", 16)}
-KEY_SLICED = ("intra", "bwd_local_kv", "gate_cumsum", "dg_bwd")
+KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd")
 
 
 def _run_checks() -> dict:

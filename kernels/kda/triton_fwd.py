@@ -45,7 +45,7 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 # T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
     "intra": dict(BKS=32, num_warps=4),
-    "wy": dict(num_warps=2, num_stages=3),
+    "wy": dict(BKS=32, num_warps=2, num_stages=3),
     "state": dict(BV=64, num_warps=4, num_stages=3),
     "output": dict(BV=64, num_warps=4),
     "bwd_state": dict(BV=64, num_warps=8, num_stages=3),
@@ -326,13 +326,13 @@ def _inv_unit_lower(A, BCC: tl.constexpr):
 
 
 @triton.jit
-def _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, n, T_local, stride_k, K,
-                  BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
-    """Rows n*BC .. n*BC+BC of one chunk: stores Kd = k e^{G_last - G} there (row-major, row stride K) and
-    returns k e^G, float32 [BC, BK]."""
-    kn = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-    Gn = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-    _store_rows(kd_ptr, n, BTC, K, K, kn * tl.exp(g_last[None, :] - Gn), BCC, BK)
+def _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, n, T_local, stride_k, K, nk,
+                  BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr):
+    """Rows n*BC .. n*BC+BC of one chunk and BKS key columns (nk of them valid): stores Kd = k e^{G_last - G}
+    there (row-major, row stride K) and returns k e^G, float32 [BC, BKS]."""
+    kn = _load_tile(k_ptr, n * BCC, T_local, stride_k, nk, BCC, BKS)
+    Gn = _load_tile(G_ptr, n * BCC, BTC, K, nk, BCC, BKS)
+    _store_rows(kd_ptr, n, BTC, K, nk, kn * tl.exp(g_last[None, :] - Gn), BCC, BKS)
     return kn * tl.exp(Gn)
 
 
@@ -344,7 +344,7 @@ def _dot(a, b, PREC: tl.constexpr):
 @triton.jit
 def _wy(
     k, v, beta, G, At, Tinv, U, W, Kd, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
     T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V [B, T, H, V], and the state
@@ -393,22 +393,25 @@ def _wy(
     k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride_k
     v_ptr = v + (i_b * T * H + i_h) * V + t0 * stride_v
     G_ptr = G + (i_bh * NT * BTC + t0) * K
-    ck = tl.arange(0, BK)
-    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
-    w_ptr = W + (i_bh * NT * BTC + t0) * K
-    kd_ptr = Kd + (i_bh * NT * BTC + t0) * K
-    bk0 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 0, T_local, stride_k, K, BTC, BCC, BK) * bt0[:, None]
-    bk1 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 1, T_local, stride_k, K, BTC, BCC, BK) * bt1[:, None]
-    bk2 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 2, T_local, stride_k, K, BTC, BCC, BK) * bt2[:, None]
-    bk3 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 3, T_local, stride_k, K, BTC, BCC, BK) * bt3[:, None]
-    w0 = _dot(T00, bk0, PREC)
-    w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
-    w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
-    w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
-    _store_rows(w_ptr, 0, BTC, K, K, w0, BCC, BK)
-    _store_rows(w_ptr, 1, BTC, K, K, w1, BCC, BK)
-    _store_rows(w_ptr, 2, BTC, K, K, w2, BCC, BK)
-    _store_rows(w_ptr, 3, BTC, K, K, w3, BCC, BK)
+    for c0 in range(0, K, BKS):  # W and Kd over key slices, as U over V-blocks below
+        nk = K - c0
+        ck = c0 + tl.arange(0, BKS)
+        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kp, Gp = k_ptr + c0, G_ptr + c0
+        w_ptr = W + (i_bh * NT * BTC + t0) * K + c0
+        kd_ptr = Kd + (i_bh * NT * BTC + t0) * K + c0
+        bk0 = _decayed_keys(kp, Gp, kd_ptr, g_last, 0, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt0[:, None]
+        bk1 = _decayed_keys(kp, Gp, kd_ptr, g_last, 1, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt1[:, None]
+        bk2 = _decayed_keys(kp, Gp, kd_ptr, g_last, 2, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt2[:, None]
+        bk3 = _decayed_keys(kp, Gp, kd_ptr, g_last, 3, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt3[:, None]
+        w0 = _dot(T00, bk0, PREC)
+        w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
+        w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
+        w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
+        _store_rows(w_ptr, 0, BTC, K, nk, w0, BCC, BKS)
+        _store_rows(w_ptr, 1, BTC, K, nk, w1, BCC, BKS)
+        _store_rows(w_ptr, 2, BTC, K, nk, w2, BCC, BKS)
+        _store_rows(w_ptr, 3, BTC, K, nk, w3, BCC, BKS)
     u_ptr = U + (i_b * T * H + i_h) * V + t0 * stride_v
     for iv in range(tl.cdiv(V, BV)):
         vp = v_ptr + iv * BV
@@ -592,7 +595,9 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     Kd = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
+    _, wy_opts = launch("wy")
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
+                     **wy_opts)
     h0 = initial_state.contiguous() if initial_state is not None else None
     Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
