@@ -30,25 +30,14 @@ from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _l
 
 @triton.jit
 def _bwd_state_prep(
-    q, G, P, do, Qg, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
+    P, do, dDl, T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk, everything of the reverse pass that does not depend on dS', so that ``_bwd_state``'s
-    sequential steps only load and multiply: the intra-chunk part of d delta, P^T dO (into dDl
-    [B, T, H, V]), and the decayed q, Qg = scale q e^G [B, H, Tp, K] in the dtype of dO (a tensor-core
-    operand of the reverse pass, like the forward's Kd and W; zero in padded rows)."""
+    """Per chunk, the part of d delta that does not depend on dS', P^T dO (into dDl [B, T, H, V]), so that
+    ``_bwd_state``'s sequential steps only load and multiply."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
     stride_v = H * V
     r = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
-    qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
-    tl.store(Qg + poff, qg.to(Qg.dtype.element_ty), mask=ck[None, :] < K)
     pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
     for iv in range(tl.cdiv(V, BV)):
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
@@ -67,8 +56,8 @@ def _bwd_state(
     """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
     and completes d delta in dDl (P^T dO there, from ``_bwd_state_prep``, plus Kd dS'); then the
     initial-state gradient. dS' accumulates in float32; the products take the operands' dtype (that of
-    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands (Qg, and the forward's Kd
-    and W) load straight into shared memory, so that with 2-3 stages the next chunk's loads overlap this
+    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands (the forward's Qg, Kd and
+    W) load straight into shared memory, so that with 2-3 stages the next chunk's loads overlap this
     chunk's products."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -445,12 +434,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Safe, At, P, Tinv, W, Kd = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd"))
+    G, Safe, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd", "Qg"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype)
-    _bwd_state_prep[(NT, B * H)](q, G, P, do, Qg, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)), BT, prec,
-                                 num_warps=8)
+    _bwd_state_prep[(NT, B * H)](P, do, dDl, T, H, V, min(64, _pow2(V)), BT, prec, num_warps=8)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
@@ -464,7 +451,6 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         Qg, Kd, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
         T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
-    del Qg
     dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     dk_p = torch.empty_like(dq_p)
     dv = torch.empty_like(v)

@@ -174,14 +174,16 @@ def _covers(Safe, idx, CHUNKS: tl.constexpr):
 
 @triton.jit
 def _decayed_rows(
-    q_ptr, k_ptr, G_ptr, n, T_local, stride, K, SAFE: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
     NW: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
     columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
     accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr
     point at row 0 of the chunk. SAFE picks the split (middle row if true, first row if false). Returns
-    two float32 [BC, NW]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
+    two float32 [BC, NW]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it).
+    On the way it stores these rows of Qg = scale q e^G (row 0 at qg_ptr, row stride K), the operand of
+    the inter-chunk output term and of the reverse state pass."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, NW)
     A = tl.zeros([BCC, NW], dtype=tl.float32)
@@ -193,6 +195,7 @@ def _decayed_rows(
         G_n = _load_tile(G_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
         k_n = _load_tile(k_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
         q_n = _load_tile(q_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
+        _store_rows(qg_ptr + c0, n, n * BCC + BCC, K, nk, q_n * tl.exp(G_n) * scale, BCC, BKS)
         kk = _load_tile(k_ptr + c0, 0, T_local, stride, nk, NW, BKS)
         Gk = _load_tile(G_ptr + c0, 0, NW, K, nk, NW, BKS)
         g_s = tl.load(G_ptr + split * K + ck, mask=ck < K, other=0.0)
@@ -214,13 +217,13 @@ def _decayed_rows(
 
 @triton.jit
 def _intra_rows(
-    q_ptr, k_ptr, G_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
     from ``_decayed_rows``, zeros after them."""
     rows = n * BCC + tl.arange(0, BCC)
-    a, p = _decayed_rows(q_ptr, k_ptr, G_ptr, n, T_local, stride, K, SAFE, NW, BCC, BKS, PREC)
+    a, p = _decayed_rows(q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS, PREC)
     offs = rows[:, None] * BTC + tl.arange(0, NW)[None, :]
     tl.store(At_ptr + offs, a)
     tl.store(P_ptr + offs, p * scale)
@@ -232,13 +235,14 @@ def _intra_rows(
 
 @triton.jit
 def _intra(
-    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    q, k, G, Qg, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
     (program axis 0: chunk * BT / BC + block), for the chunks of CHUNKS (flags in Safe [B * H * NT]; see
     ``chunk_sets``). Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64
-    for BT = 4 BC); the rest are zero."""
+    for BT = 4 BC); the rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K]
+    (``_decayed_rows``)."""
     i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if _covers(Safe, i_bh * NT + i_n, CHUNKS):
@@ -247,15 +251,16 @@ def _intra(
         k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
         G_ptr = G + (i_bh * NT * BTC + t0) * K
         out = (i_bh * NT * BTC + t0) * BTC
+        out_k = (i_bh * NT * BTC + t0) * K
         SAFE: tl.constexpr = CHUNKS != UNSAFE_CHUNKS
         if i_r == 0:
-            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
                         BTC, BCC, BKS, PREC)
         elif i_r == 1:
-            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
                         BTC, BCC, BKS, PREC)
         else:
-            _intra_rows(q_ptr, k_ptr, G_ptr, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
                         BTC, BCC, BKS, PREC)
 
 
@@ -474,26 +479,24 @@ def _state(
 
 @triton.jit
 def _output(
-    q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Qg, P, Hs, Dl, o, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """o = scale (q * e^G) S_n + P delta for one chunk and V-block (S_n and delta stored in the inputs'
-    dtype, the products on float32 operands: bf16 operands were no faster, 4.84 vs 4.74 ms fwd+bwd)."""
+    """o = Qg S_n + P delta for one chunk and V-block, with Qg = scale q e^G from ``_intra``: the first
+    product on the stored operands as they are (bf16 for bf16 inputs), the second in float32."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
     stride_v = H * V
-    qq = _load_tile(q + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
-    Gc = _load_tile(G + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
+    qg = _load_rows(Qg + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     h = tl.load(Hs + (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :],
-                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0).to(tl.float32)
+                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
     r = tl.arange(0, BTC)
     p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
     base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
     d = _load_tile(Dl + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
-    out = tl.dot(qq * tl.exp(Gc) * scale, h, input_precision=PREC) + tl.dot(p, d, input_precision=PREC)
+    out = tl.dot(qg, h.to(qg.dtype), input_precision=PREC) + tl.dot(p, d, input_precision=PREC)
     tl.store(o + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], out.to(o.dtype.element_ty),
              mask=(r[:, None] < T_local) & (cv[None, :] < V))
 
@@ -510,7 +513,7 @@ def dot_precision(dtype) -> str:
 
 
 def storage_dtype(dtype):
-    """Dtype of the intermediates kept between kernels (normalised q/k, W, U, Kd, delta, chunk states)
+    """Dtype of the intermediates kept between kernels (normalised q/k, Qg, W, U, Kd, delta, chunk states)
     for inputs of `dtype`: bf16/fp16 for half-precision inputs, halving their memory traffic as fla
     does (G, At, P and Tinv stay float32), float32 otherwise."""
     import torch
@@ -583,15 +586,16 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                                                     gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    sd = storage_dtype(v.dtype)
+    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     _, intra_opts = launch("intra")
     BKS_I = min(intra_opts.pop("BKS"), BK)
     for chunks in chunk_sets(safe_gate):
-        _intra[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
+        _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
                                          **intra_opts)
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
-    sd = storage_dtype(v.dtype)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     Kd = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
@@ -602,9 +606,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
-    _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
-                                              **opts)
-    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd)
+    _output[(NT, B * H, triton.cdiv(V, BVO))](Qg, P, Hs, Dl, o, T, H, K, V, BK, BVO, BT, prec, **opts)
+    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg)
     saved.update(dict(U=U) if recompute_states else dict(Hs=Hs, Dl=Dl))
     return o, ht, saved
 
