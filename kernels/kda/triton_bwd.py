@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..device import sm_count
 from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2,
-                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass)
+                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass, storage_dtype)
 
 
 @triton.jit
@@ -148,7 +148,8 @@ def _bwd_local_kv(
     """Per chunk and slice of BKS key columns (program axis 2), the gradients that contract over V into
     a [BT, K] result: dq = scale e^G dO S^T, the W and Kd paths (dW = -d delta S^T, dKd = delta dS'^T)
     into dk and dG, and d G_last; plus this slice's parts of dTinv and dbeta (dT_parts[1 + slice],
-    db_parts[1 + slice]). Slicing K keeps three [BT, BKS] accumulators per program instead of [BT, K]."""
+    db_parts[1 + slice]). Slicing K keeps three [BT, BKS] accumulators per program instead of [BT, K].
+    dO S^T and delta dS'^T take their operands as stored (bf16 for bf16 inputs); d delta S^T is float32."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
@@ -161,16 +162,21 @@ def _bwd_local_kv(
     dKd = tl.zeros([BTC, BKS], dtype=tl.float32)
     dglast = tl.zeros([BKS], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
-        _, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
-                                      stride_v, BTC, BV)
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
+        nv = V - iv * BV
+        cv = iv * BV + tl.arange(0, BV)
+        dO = _load_rows(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        dl = _load_rows(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
         hmask = (ck[:, None] < K) & (cv[None, :] < V)
         hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
-        h = tl.load(Hs + hoff, mask=hmask, other=0.0).to(tl.float32)
+        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
         dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
-        dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
+        dQ1 += tl.dot(dO, tl.trans(h.to(dO.dtype)), input_precision=PREC)
+        dKd += tl.dot(dl, tl.trans(dh.to(dl.dtype)), input_precision=PREC)
+        h = h.to(tl.float32)
         dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
-        dKd += tl.dot(dl, tl.trans(dh), input_precision=PREC)
-        dglast += tl.sum(h * dh, axis=1)
+        dglast += tl.sum(h * dh.to(tl.float32), axis=1)
     # the [BT, BKS] inputs are loaded only now, so they hold no registers during the V loop
     base_k = (i_b * T * H + i_h) * K + t0 * stride_k + i_k * BKS
     nk = K - i_k * BKS
@@ -443,7 +449,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     else:  # the forward kept U instead (recompute_states): one more sequential pass
         h0 = None if initial_state is None else initial_state.contiguous()
         Hs, Dl, _ = state_pass(Kd, W, saved["U"], G, h0, prec, False)
-    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=storage_dtype(do.dtype))
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
     BVS, opts = launch("bwd_state", V)
