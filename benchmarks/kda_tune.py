@@ -45,8 +45,8 @@ GRID = {
     # no 8 warps: with BV=16 they made an illegal memory access on the H200 under Triton 3.6, which ends the
     # process (logs/kda_tune_h200_T16384_crash.txt); at BV=64 they were no faster than 4 (round 3)
     "state": dict(BV=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 2, 3]),
-    "wy": dict(num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
-    "intra": dict(num_warps=[2, 4, 8]),
+    "wy": dict(BKS=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
+    "intra": dict(BKS=[16, 32, 64], num_warps=[2, 4, 8]),
     "output": dict(BV=[32, 64, 128], num_warps=[4, 8]),
     "gate_cumsum": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "dg_bwd": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),

@@ -31,7 +31,7 @@ CASES = {
 # chunk flags and dA_log parts combine across them
 GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
          "gated_sigmoid_two_key_slices": ("sigmoid", 16), "gated_softplus_two_key_slices": ("softplus", 16)}
-KEY_SLICED = ("bwd_local_kv", "gate_cumsum", "dg_bwd")
+KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd")
 
 
 def _run_checks() -> dict:
@@ -190,7 +190,7 @@ def test_half_precision_inputs_within_half_precision_error(results, case):
 
 
 def test_half_inputs_keep_half_intermediates(results):
-    """Half-precision inputs keep the normalised q/k, U, W, Kd, delta and the chunk states in their dtype
+    """Half-precision inputs keep the normalised q/k, Qg, U, W, Kd, delta and the chunk states in their dtype
     (half the memory traffic); G, At, P and Tinv stay float32; float32 inputs keep everything float32."""
     half, full = results["kept_dtypes_float16"], results["kept_dtypes_float32"]
     assert set(half) == set(full) >= {"G", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised"}

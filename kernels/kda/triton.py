@@ -14,7 +14,7 @@ Entry points:
 
 Supported: any B, H and T >= 1 (ragged last chunk); K <= 128 (tested 16, 32, 64, 128; other values
 are masked to the next power of two); any V (tested 16 to 128, tiled by 64). fp32 inputs run exact
-fp32 matmuls on fp32 intermediates. bf16/fp16 inputs keep the normalised q/k, W, U, Kd, delta and the
+fp32 matmuls on fp32 intermediates. bf16/fp16 inputs keep the normalised q/k, Qg, W, U, Kd, delta and the
 chunk states in their own dtype (``triton_fwd.storage_dtype``; G, At, P and Tinv stay fp32), run the
 two sequential state passes on half-precision operands and the other matmuls in tf32, always with
 fp32 accumulation; the running state is fp32. The backward reads the chunk states kept by the forward.

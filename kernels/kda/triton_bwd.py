@@ -25,30 +25,19 @@ import triton.language as tl
 
 from ..device import sm_count
 from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2,
-                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass)
+                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass, storage_dtype)
 
 
 @triton.jit
 def _bwd_state_prep(
-    q, G, P, do, Qg, dDl, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
-    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
+    P, do, dDl, T, H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk, everything of the reverse pass that does not depend on dS', so that ``_bwd_state``'s
-    sequential steps only load and multiply: the intra-chunk part of d delta, P^T dO (into dDl
-    [B, T, H, V]), and the decayed q, Qg = scale q e^G [B, H, Tp, K] in the dtype of dO (a tensor-core
-    operand of the reverse pass, like the forward's Kd and W; zero in padded rows)."""
+    """Per chunk, the part of d delta that does not depend on dS', P^T dO (into dDl [B, T, H, V]), so that
+    ``_bwd_state``'s sequential steps only load and multiply."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
     stride_v = H * V
     r = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    Gc = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-    poff = (i_bh * NT * BTC + t0 + r[:, None]) * K + ck[None, :]
-    qg = _load_tile(q + base_k, 0, T_local, stride_k, K, BTC, BK) * tl.exp(Gc) * scale
-    tl.store(Qg + poff, qg.to(Qg.dtype.element_ty), mask=ck[None, :] < K)
     pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
     for iv in range(tl.cdiv(V, BV)):
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
@@ -67,8 +56,8 @@ def _bwd_state(
     """Reverse pass over chunks for one (b, h, V-block): stores dS' of every chunk (dHs [B, H, NT, K, V])
     and completes d delta in dDl (P^T dO there, from ``_bwd_state_prep``, plus Kd dS'); then the
     initial-state gradient. dS' accumulates in float32; the products take the operands' dtype (that of
-    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands (Qg, and the forward's Kd
-    and W) load straight into shared memory, so that with 2-3 stages the next chunk's loads overlap this
+    dO: bf16 for bf16 inputs, as fla's reverse pass), and the [BT, K] operands (the forward's Qg, Kd and
+    W) load straight into shared memory, so that with 2-3 stages the next chunk's loads overlap this
     chunk's products."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -159,7 +148,8 @@ def _bwd_local_kv(
     """Per chunk and slice of BKS key columns (program axis 2), the gradients that contract over V into
     a [BT, K] result: dq = scale e^G dO S^T, the W and Kd paths (dW = -d delta S^T, dKd = delta dS'^T)
     into dk and dG, and d G_last; plus this slice's parts of dTinv and dbeta (dT_parts[1 + slice],
-    db_parts[1 + slice]). Slicing K keeps three [BT, BKS] accumulators per program instead of [BT, K]."""
+    db_parts[1 + slice]). Slicing K keeps three [BT, BKS] accumulators per program instead of [BT, K].
+    dO S^T and delta dS'^T take their operands as stored (bf16 for bf16 inputs); d delta S^T is float32."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_k = H * K
@@ -172,16 +162,21 @@ def _bwd_local_kv(
     dKd = tl.zeros([BTC, BKS], dtype=tl.float32)
     dglast = tl.zeros([BKS], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
-        _, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
-                                      stride_v, BTC, BV)
+        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
+        nv = V - iv * BV
+        cv = iv * BV + tl.arange(0, BV)
+        dO = _load_rows(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        dl = _load_rows(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
         hmask = (ck[:, None] < K) & (cv[None, :] < V)
         hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
-        h = tl.load(Hs + hoff, mask=hmask, other=0.0).to(tl.float32)
+        h = tl.load(Hs + hoff, mask=hmask, other=0.0)
         dh = tl.load(dHs + hoff, mask=hmask, other=0.0)
-        dQ1 += tl.dot(dO, tl.trans(h), input_precision=PREC)
+        dQ1 += tl.dot(dO, tl.trans(h.to(dO.dtype)), input_precision=PREC)
+        dKd += tl.dot(dl, tl.trans(dh.to(dl.dtype)), input_precision=PREC)
+        h = h.to(tl.float32)
         dW -= tl.dot(ddl, tl.trans(h), input_precision=PREC)
-        dKd += tl.dot(dl, tl.trans(dh), input_precision=PREC)
-        dglast += tl.sum(h * dh, axis=1)
+        dglast += tl.sum(h * dh.to(tl.float32), axis=1)
     # the [BT, BKS] inputs are loaded only now, so they hold no registers during the V loop
     base_k = (i_b * T * H + i_h) * K + t0 * stride_k + i_k * BKS
     nk = K - i_k * BKS
@@ -445,18 +440,16 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Safe, At, P, Tinv, W, Kd = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd"))
+    G, Safe, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd", "Qg"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
-    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=do.dtype)
-    _bwd_state_prep[(NT, B * H)](q, G, P, do, Qg, dDl, float(scale), T, H, K, V, BK, min(64, _pow2(V)), BT, prec,
-                                 num_warps=8)
+    _bwd_state_prep[(NT, B * H)](P, do, dDl, T, H, V, min(64, _pow2(V)), BT, prec, num_warps=8)
     if "Hs" in saved:
         Hs, Dl = saved["Hs"], saved["Dl"]
     else:  # the forward kept U instead (recompute_states): one more sequential pass
         h0 = None if initial_state is None else initial_state.contiguous()
         Hs, Dl, _ = state_pass(Kd, W, saved["U"], G, h0, prec, False)
-    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=f32)
+    dHs = torch.empty(B, H, NT, K, V, device=dev, dtype=storage_dtype(do.dtype))
     dh0 = torch.empty(B, H, K, V, device=dev, dtype=f32) if initial_state is not None else None
     dummy = G
     BVS, opts = launch("bwd_state", V)
@@ -464,7 +457,6 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     _bwd_state[(triton.cdiv(V, BVS), B * H)](
         Qg, Kd, W, G, do, dummy if dht is None else dht.contiguous(), dHs, dDl, dummy if dh0 is None else dh0,
         T, H, K, V, BK, BVS, BT, dht is not None, dh0 is not None, prec, **opts)
-    del Qg
     dq_p = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
     dk_p = torch.empty_like(dq_p)
     dv = torch.empty_like(v)

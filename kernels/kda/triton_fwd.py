@@ -44,8 +44,8 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 # another order); only speed differs. Found by `python benchmarks/kda_tune.py` on one H200 at B=4,
 # T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
 LAUNCH = {
-    "intra": dict(num_warps=8),
-    "wy": dict(num_warps=2, num_stages=3),
+    "intra": dict(BKS=32, num_warps=4),
+    "wy": dict(BKS=32, num_warps=2, num_stages=3),
     "state": dict(BV=64, num_warps=4, num_stages=3),
     "output": dict(BV=64, num_warps=4),
     "bwd_state": dict(BV=64, num_warps=8, num_stages=3),
@@ -174,65 +174,94 @@ def _covers(Safe, idx, CHUNKS: tl.constexpr):
 
 @triton.jit
 def _decayed_rows(
-    k_n, q_n, G_n, kk, Gall, n, G_ptr, K, SAFE: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
+    NW: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i), where
-    M_ij = sum_k a_ik k_jk e^{G_ik - G_jk}. k_n, q_n, G_n: [BC, BK] those rows; kk, Gall: [BT, BK] the
-    whole chunk; G_ptr points at row 0 of the chunk's G. The key-side factors are shared by both
-    products. SAFE picks the split (middle row if true, first row if false). Returns two float32
-    [BC, BT]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it)."""
+    """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
+    columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
+    accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr
+    point at row 0 of the chunk. SAFE picks the split (middle row if true, first row if false). Returns
+    two float32 [BC, NW]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it).
+    On the way it stores these rows of Qg = scale q e^G (row 0 at qg_ptr, row stride K), the operand of
+    the inter-chunk output term and of the reverse state pass."""
     rows = n * BCC + tl.arange(0, BCC)
-    cols = tl.arange(0, BTC)
-    ck = tl.arange(0, BK)
-    if SAFE:
-        g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
-        e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
-        kf = tl.trans(kk * tl.exp(e_col))
-        rf = tl.exp(G_n - g_mid[None, :])
-        A = tl.dot(k_n * rf, kf, input_precision=PREC)
-        P = tl.dot(q_n * rf, kf, input_precision=PREC)
-    else:
-        g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
-        e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
-        kf = tl.trans(kk * tl.exp(tl.minimum(e_col, 0.0)))
-        rf = tl.exp(G_n - g_first[None, :])
+    cols = tl.arange(0, NW)
+    A = tl.zeros([BCC, NW], dtype=tl.float32)
+    P = tl.zeros([BCC, NW], dtype=tl.float32)
+    split = n * BCC + BCC // 2 if SAFE else n * BCC
+    for c0 in range(0, K, BKS):
+        ck = c0 + tl.arange(0, BKS)
+        nk = K - c0
+        G_n = _load_tile(G_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
+        k_n = _load_tile(k_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
+        q_n = _load_tile(q_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
+        _store_rows(qg_ptr + c0, n, n * BCC + BCC, K, nk, q_n * tl.exp(G_n) * scale, BCC, BKS)
+        kk = _load_tile(k_ptr + c0, 0, T_local, stride, nk, NW, BKS)
+        Gk = _load_tile(G_ptr + c0, 0, NW, K, nk, NW, BKS)
+        g_s = tl.load(G_ptr + split * K + ck, mask=ck < K, other=0.0)
+        rf = tl.exp(G_n - g_s[None, :])
+        if SAFE:
+            kf = tl.trans(kk * tl.exp(tl.where(cols[:, None] < (n + 1) * BCC, g_s[None, :] - Gk, 0.0)))
+        else:
+            kf = tl.trans(kk * tl.exp(tl.minimum(tl.where(cols[:, None] < n * BCC, g_s[None, :] - Gk, 0.0), 0.0)))
+        A += tl.dot(k_n * rf, kf, input_precision=PREC)
+        P += tl.dot(q_n * rf, kf, input_precision=PREC)
+    if not SAFE:
         earlier = cols[None, :] < n * BCC
-        A = tl.where(earlier, tl.dot(k_n * rf, kf, input_precision=PREC), 0.0)
-        P = tl.where(earlier, tl.dot(q_n * rf, kf, input_precision=PREC), 0.0)
+        A = tl.where(earlier, A, 0.0)
+        P = tl.where(earlier, P, 0.0)
     A = tl.where(rows[:, None] > cols[None, :], A, 0.0)
     P = tl.where(rows[:, None] >= cols[None, :], P, 0.0)
     return A, P
 
 
 @triton.jit
+def _intra_rows(
+    q_ptr, k_ptr, G_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+):
+    """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
+    from ``_decayed_rows``, zeros after them."""
+    rows = n * BCC + tl.arange(0, BCC)
+    a, p = _decayed_rows(q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS, PREC)
+    offs = rows[:, None] * BTC + tl.arange(0, NW)[None, :]
+    tl.store(At_ptr + offs, a)
+    tl.store(P_ptr + offs, p * scale)
+    for m in tl.static_range(NW // BCC, BTC // BCC):
+        zoffs = rows[:, None] * BTC + m * BCC + tl.arange(0, BCC)[None, :]
+        tl.store(At_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
+        tl.store(P_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
+
+
+@triton.jit
 def _intra(
-    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, Qg, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """At and P of one chunk (see module docstring), written 16 rows at a time into [B, H, Tp, BT], for
-    the chunks of CHUNKS (flags in Safe [B * H * NT]; see ``chunk_sets``)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
+    (program axis 0: chunk * BT / BC + block), for the chunks of CHUNKS (flags in Safe [B * H * NT]; see
+    ``chunk_sets``). Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64
+    for BT = 4 BC); the rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K]
+    (``_decayed_rows``)."""
+    i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if _covers(Safe, i_bh * NT + i_n, CHUNKS):
         stride = H * K
         q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
         k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
         G_ptr = G + (i_bh * NT * BTC + t0) * K
-        kk = _load_tile(k_ptr, 0, T_local, stride, K, BTC, BK)
-        Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        cols = tl.arange(0, BTC)
-        out_base = (i_bh * NT * BTC + t0) * BTC
-        for n in tl.static_range(BTC // BCC):
-            rows = n * BCC + tl.arange(0, BCC)
-            G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-            k_n = _load_tile(k_ptr, n * BCC, T_local, stride, K, BCC, BK)
-            q_n = _load_tile(q_ptr, n * BCC, T_local, stride, K, BCC, BK)
-            a, p = _decayed_rows(k_n, q_n, G_n, kk, Gall, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS,
-                                 BTC, BCC, BK, PREC)
-            offs = out_base + rows[:, None] * BTC + cols[None, :]
-            tl.store(At + offs, a)
-            tl.store(P + offs, p * scale)
+        out = (i_bh * NT * BTC + t0) * BTC
+        out_k = (i_bh * NT * BTC + t0) * K
+        SAFE: tl.constexpr = CHUNKS != UNSAFE_CHUNKS
+        if i_r == 0:
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
+                        BTC, BCC, BKS, PREC)
+        elif i_r == 1:
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
+                        BTC, BCC, BKS, PREC)
+        else:
+            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
+                        BTC, BCC, BKS, PREC)
 
 
 @triton.jit
@@ -302,13 +331,13 @@ def _inv_unit_lower(A, BCC: tl.constexpr):
 
 
 @triton.jit
-def _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, n, T_local, stride_k, K,
-                  BTC: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
-    """Rows n*BC .. n*BC+BC of one chunk: stores Kd = k e^{G_last - G} there (row-major, row stride K) and
-    returns k e^G, float32 [BC, BK]."""
-    kn = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-    Gn = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-    _store_rows(kd_ptr, n, BTC, K, K, kn * tl.exp(g_last[None, :] - Gn), BCC, BK)
+def _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, n, T_local, stride_k, K, nk,
+                  BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr):
+    """Rows n*BC .. n*BC+BC of one chunk and BKS key columns (nk of them valid): stores Kd = k e^{G_last - G}
+    there (row-major, row stride K) and returns k e^G, float32 [BC, BKS]."""
+    kn = _load_tile(k_ptr, n * BCC, T_local, stride_k, nk, BCC, BKS)
+    Gn = _load_tile(G_ptr, n * BCC, BTC, K, nk, BCC, BKS)
+    _store_rows(kd_ptr, n, BTC, K, nk, kn * tl.exp(g_last[None, :] - Gn), BCC, BKS)
     return kn * tl.exp(Gn)
 
 
@@ -320,7 +349,7 @@ def _dot(a, b, PREC: tl.constexpr):
 @triton.jit
 def _wy(
     k, v, beta, G, At, Tinv, U, W, Kd, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
     T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V [B, T, H, V], and the state
@@ -369,22 +398,25 @@ def _wy(
     k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride_k
     v_ptr = v + (i_b * T * H + i_h) * V + t0 * stride_v
     G_ptr = G + (i_bh * NT * BTC + t0) * K
-    ck = tl.arange(0, BK)
-    g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
-    w_ptr = W + (i_bh * NT * BTC + t0) * K
-    kd_ptr = Kd + (i_bh * NT * BTC + t0) * K
-    bk0 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 0, T_local, stride_k, K, BTC, BCC, BK) * bt0[:, None]
-    bk1 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 1, T_local, stride_k, K, BTC, BCC, BK) * bt1[:, None]
-    bk2 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 2, T_local, stride_k, K, BTC, BCC, BK) * bt2[:, None]
-    bk3 = _decayed_keys(k_ptr, G_ptr, kd_ptr, g_last, 3, T_local, stride_k, K, BTC, BCC, BK) * bt3[:, None]
-    w0 = _dot(T00, bk0, PREC)
-    w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
-    w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
-    w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
-    _store_rows(w_ptr, 0, BTC, K, K, w0, BCC, BK)
-    _store_rows(w_ptr, 1, BTC, K, K, w1, BCC, BK)
-    _store_rows(w_ptr, 2, BTC, K, K, w2, BCC, BK)
-    _store_rows(w_ptr, 3, BTC, K, K, w3, BCC, BK)
+    for c0 in range(0, K, BKS):  # W and Kd over key slices, as U over V-blocks below
+        nk = K - c0
+        ck = c0 + tl.arange(0, BKS)
+        g_last = tl.load(G_ptr + (BTC - 1) * K + ck, mask=ck < K, other=0.0)
+        kp, Gp = k_ptr + c0, G_ptr + c0
+        w_ptr = W + (i_bh * NT * BTC + t0) * K + c0
+        kd_ptr = Kd + (i_bh * NT * BTC + t0) * K + c0
+        bk0 = _decayed_keys(kp, Gp, kd_ptr, g_last, 0, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt0[:, None]
+        bk1 = _decayed_keys(kp, Gp, kd_ptr, g_last, 1, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt1[:, None]
+        bk2 = _decayed_keys(kp, Gp, kd_ptr, g_last, 2, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt2[:, None]
+        bk3 = _decayed_keys(kp, Gp, kd_ptr, g_last, 3, T_local, stride_k, K, nk, BTC, BCC, BKS) * bt3[:, None]
+        w0 = _dot(T00, bk0, PREC)
+        w1 = _dot(T10, bk0, PREC) + _dot(T11, bk1, PREC)
+        w2 = _dot(T20, bk0, PREC) + _dot(T21, bk1, PREC) + _dot(T22, bk2, PREC)
+        w3 = _dot(T30, bk0, PREC) + _dot(T31, bk1, PREC) + _dot(T32, bk2, PREC) + _dot(T33, bk3, PREC)
+        _store_rows(w_ptr, 0, BTC, K, nk, w0, BCC, BKS)
+        _store_rows(w_ptr, 1, BTC, K, nk, w1, BCC, BKS)
+        _store_rows(w_ptr, 2, BTC, K, nk, w2, BCC, BKS)
+        _store_rows(w_ptr, 3, BTC, K, nk, w3, BCC, BKS)
     u_ptr = U + (i_b * T * H + i_h) * V + t0 * stride_v
     for iv in range(tl.cdiv(V, BV)):
         vp = v_ptr + iv * BV
@@ -447,26 +479,24 @@ def _state(
 
 @triton.jit
 def _output(
-    q, G, P, Hs, Dl, o, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Qg, P, Hs, Dl, o, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """o = scale (q * e^G) S_n + P delta for one chunk and V-block (S_n and delta stored in the inputs'
-    dtype, the products on float32 operands: bf16 operands were no faster, 4.84 vs 4.74 ms fwd+bwd)."""
+    """o = Qg S_n + P delta for one chunk and V-block, with Qg = scale q e^G from ``_intra``: the first
+    product on the stored operands as they are (bf16 for bf16 inputs), the second in float32."""
     i_n, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
     stride_v = H * V
-    qq = _load_tile(q + (i_b * T * H + i_h) * K + t0 * stride_k, 0, T_local, stride_k, K, BTC, BK)
-    Gc = _load_tile(G + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
+    qg = _load_rows(Qg + (i_bh * NT * BTC + t0) * K, 0, BTC, K, K, BTC, BK)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     h = tl.load(Hs + (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :],
-                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0).to(tl.float32)
+                mask=(ck[:, None] < K) & (cv[None, :] < V), other=0.0)
     r = tl.arange(0, BTC)
     p = tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :])
     base_v = (i_b * T * H + i_h) * V + t0 * stride_v + i_v * BV
     d = _load_tile(Dl + base_v, 0, T_local, stride_v, V - i_v * BV, BTC, BV)
-    out = tl.dot(qq * tl.exp(Gc) * scale, h, input_precision=PREC) + tl.dot(p, d, input_precision=PREC)
+    out = tl.dot(qg, h.to(qg.dtype), input_precision=PREC) + tl.dot(p, d, input_precision=PREC)
     tl.store(o + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :], out.to(o.dtype.element_ty),
              mask=(r[:, None] < T_local) & (cv[None, :] < V))
 
@@ -483,7 +513,7 @@ def dot_precision(dtype) -> str:
 
 
 def storage_dtype(dtype):
-    """Dtype of the intermediates kept between kernels (normalised q/k, W, U, Kd, delta, chunk states)
+    """Dtype of the intermediates kept between kernels (normalised q/k, Qg, W, U, Kd, delta, chunk states)
     for inputs of `dtype`: bf16/fp16 for half-precision inputs, halving their memory traffic as fla
     does (G, At, P and Tinv stay float32), float32 otherwise."""
     import torch
@@ -556,24 +586,28 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
                                                     gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+    sd = storage_dtype(v.dtype)
+    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
+    _, intra_opts = launch("intra")
+    BKS_I = min(intra_opts.pop("BKS"), BK)
     for chunks in chunk_sets(safe_gate):
-        _intra[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, chunks, prec,
-                            **launch("intra")[1])
+        _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
+                                         **intra_opts)
     if not safe_gate:
         _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
-    sd = storage_dtype(v.dtype)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     Kd = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
-    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, BK, BV, BT, BC, prec, **launch("wy")[1])
+    _, wy_opts = launch("wy")
+    _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
+                     **wy_opts)
     h0 = initial_state.contiguous() if initial_state is not None else None
     Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
-    _output[(NT, B * H, triton.cdiv(V, BVO))](q, G, P, Hs, Dl, o, float(scale), T, H, K, V, BK, BVO, BT, prec,
-                                              **opts)
-    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd)
+    _output[(NT, B * H, triton.cdiv(V, BVO))](Qg, P, Hs, Dl, o, T, H, K, V, BK, BVO, BT, prec, **opts)
+    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg)
     saved.update(dict(U=U) if recompute_states else dict(Hs=Hs, Dl=Dl))
     return o, ht, saved
 
