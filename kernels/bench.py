@@ -1,6 +1,6 @@
 """Kernel benchmarks: ``python -m kernels.bench kda [--check] [--out benchmarks/RESULTS_kda.md]``.
 
-For each shape and decay map (sigmoid, softplus) it times, in bf16 with the gate, the q/k L2 norm and
+For each shape and gate case (sigmoid; softplus; softplus with a fast-forgetting channel, see CASES) it times, in bf16 with the gate, the q/k L2 norm and
 the beta sigmoid folded into the call: our Triton KDA (``kernels.kda.triton.kda_gated``), fla's
 ``chunk_kda`` (fla-core, when installed, with ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``,
 ``use_beta_sigmoid_in_kernel`` and, for sigmoid, ``safe_gate`` with ``lower_bound=-5``), the plain
@@ -27,9 +27,17 @@ import torch.nn.functional as F
 
 SHAPES = [(4, 4096, 16, 128, 128), (1, 16384, 16, 128, 128)]
 
+# The gate cases timed: the decay map and its inputs. "softplus-fast" is the softplus map with one
+# fast-forgetting channel per head (dt_bias = 8, so g <= -8 per token there): every 16-token sub-block
+# then decays past the tensor-core-safe range, and our softplus path takes its exact diagonal kernels on
+# every chunk, as fla's softplus path always does. A sigmoid gate bounded below never gets there.
+CASES = {"sigmoid": "sigmoid", "softplus": "softplus", "softplus-fast": "softplus"}
+FAST_DT_BIAS = 8.0
 
-def make_inputs(B, T, H, K, V, decay, device, dtype=torch.bfloat16, seed=0):
-    """Raw layer-side inputs: q, k (un-normalised), v, gate pre-activation z, beta logits, A_log, dt_bias."""
+
+def make_inputs(B, T, H, K, V, case, device, dtype=torch.bfloat16, seed=0):
+    """Raw layer-side inputs for a gate case (a key of CASES): q, k (un-normalised), v, gate
+    pre-activation z, beta logits, A_log, dt_bias."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
@@ -37,7 +45,7 @@ def make_inputs(B, T, H, K, V, decay, device, dtype=torch.bfloat16, seed=0):
 
     q, k, v, z = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V), randn(B, T, H, K)
     beta_logits = randn(B, T, H)
-    if decay == "sigmoid":
+    if case == "sigmoid":
         A_log = 0.5 * randn(H)
         dt_bias = None
     else:
@@ -45,6 +53,8 @@ def make_inputs(B, T, H, K, V, decay, device, dtype=torch.bfloat16, seed=0):
         dt = torch.exp(torch.rand(H * K, generator=gen, device=device) * (math.log(1e-1) - math.log(1e-3))
                        + math.log(1e-3))
         dt_bias = dt + torch.log(-torch.expm1(-dt))             # inverse softplus
+        if case == "softplus-fast":
+            dt_bias.view(H, K)[:, 0] = FAST_DT_BIAS
     xs = [t.to(dtype).requires_grad_() for t in (q, k, v, z, beta_logits)]
     return xs + [A_log.requires_grad_(), None if dt_bias is None else dt_bias.requires_grad_()]
 
@@ -125,23 +135,23 @@ def rel_err(a, b):
 
 
 def check_accuracy(device, B=1, T=1000, H=16, K=128, V=128, impls=("ours",)):
-    """bf16 relative errors against the float64 recurrent reference, both maps: rows of (impl, decay,
+    """bf16 relative errors against the float64 recurrent reference, every gate case: rows of (impl, case,
     tensor, error, limit, ok). impls: "ours" (kda_gated) and/or "fla" (chunk_kda, same inputs)."""
     from kernels.kda.triton import kda_gated
 
     rows = []
     for impl in impls:
-        for decay in ("sigmoid", "softplus"):
-            xs = make_inputs(B, T, H, K, V, decay, device, seed=11)
+        for case, decay in CASES.items():
+            xs = make_inputs(B, T, H, K, V, case, device, seed=11)
             h0 = torch.randn(B, H, K, V, device=device, requires_grad=True)
             state = dict(initial_state=h0, output_final_state=True)
             o, ht = kda_gated(*xs, decay=decay, **state) if impl == "ours" else run_fla(*xs, decay, **state)
-            rows += [(impl, *row) for row in _errors(xs, h0, o, ht, decay)]
+            rows += [(impl, case, *row) for row in _errors(xs, h0, o, ht, decay)]
     return rows
 
 
 def _errors(xs, h0, o, ht, decay):
-    """(decay, tensor, relative error, limit, ok) of o, ht and every gradient of a bf16 call on the
+    """(tensor, relative error, limit, ok) of o, ht and every gradient of a bf16 call on the
     make_inputs leaves xs and initial state h0, against the float64 recurrence on the same (rounded)
     inputs. Limits: fla's own test thresholds."""
     from kernels.kda import kda_recurrent
@@ -170,7 +180,7 @@ def _errors(xs, h0, o, ht, decay):
     for n, x, y in zip(names, got, ref):
         err = float("nan") if x is None else rel_err(x, y)
         lim = limits.get(n, 2e-2)
-        rows.append((decay, n, err, lim, err < lim))
+        rows.append((n, err, lim, err < lim))
     return rows
 
 
@@ -198,15 +208,16 @@ def bench_kda(args):
 
     flush()
     lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
-              "| shape B,T,H,K,V | decay | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | saved MB | ours/fla fwd | ours/fla fwd+bwd |",
+              "| shape B,T,H,K,V | gate | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | saved MB | ours/fla fwd | ours/fla fwd+bwd |",
               "|---|---|---|---|---|---|---|---|---|"]
     impls = [("ours (triton)", run_ours)] + ([("ours, recompute states", run_ours_recompute)] if args.recompute else [])
     impls += [("fla chunk_kda", run_fla)] if have_fla and args.fla else []
     impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
     for shape in args.shapes:
         B, T, H, K, V = shape
-        for decay in args.decays:
-            sets = [make_inputs(B, T, H, K, V, decay, device, seed=s) for s in range(3)]
+        for case in args.cases:
+            decay = CASES[case]
+            sets = [make_inputs(B, T, H, K, V, case, device, seed=s) for s in range(3)]
             res = {}
             for name, fn in impls:
                 if name == "causal SDPA" and decay == "softplus":
@@ -223,12 +234,12 @@ def bench_kda(args):
                     torch.cuda.empty_cache()
                     f = fb = mb = float("nan")
                 res[name] = (f, fb, mb)
-                print(f"  measured {name}, {decay}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms, saved {mb:.0f} MB",
+                print(f"  measured {name}, {case}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms, saved {mb:.0f} MB",
                       flush=True)
             ref = res.get("fla chunk_kda")
             for name, (f, fb, mb) in res.items():
                 ratio = (f"{f / ref[0]:.2f}", f"{fb / ref[1]:.2f}") if (ref and name.startswith("ours")) else ("", "")
-                lines.append(f"| {B},{T},{H},{K},{V} | {decay if name != 'causal SDPA' else '-'} | {name} | "
+                lines.append(f"| {B},{T},{H},{K},{V} | {case if name != 'causal SDPA' else '-'} | {name} | "
                              f"{f:.2f} | {fb:.2f} | {B * T / fb / 1e3:.1f} | {mb:.0f} | {ratio[0]} | {ratio[1]} |")
             flush()
             torch.cuda.empty_cache()
@@ -236,7 +247,7 @@ def bench_kda(args):
     if args.check:
         rows = check_accuracy(device, impls=("ours", "fla") if have_fla and args.fla else ("ours",))
         lines += ["## Accuracy: bf16 kernel vs float64 recurrent reference (B=1, T=1000, H=16, K=V=128)", "",
-                  "| impl | decay | tensor | relative error | limit | ok |", "|---|---|---|---|---|---|"]
+                  "| impl | gate | tensor | relative error | limit | ok |", "|---|---|---|---|---|---|"]
         lines += [f"| {i} | {d} | {n} | {e:.2e} | {lim:.0e} | {'yes' if ok else 'NO'} |"
                   for i, d, n, e, lim, ok in rows]
         lines.append("")
@@ -264,11 +275,11 @@ def main(argv=None):
                    help="B,T,H,K,V (repeatable); default: the two issue shapes")
     p.add_argument("--recompute", action="store_true",
                    help="also time ours with recompute_states (chunk states recomputed in the backward)")
-    p.add_argument("--decay", dest="decays", action="append", choices=["sigmoid", "softplus"],
-                   help="decay map to time (repeatable); default: both")
+    p.add_argument("--decay", dest="cases", action="append", choices=list(CASES),
+                   help="gate case to time (repeatable); default: all (softplus-fast: see CASES)")
     args = p.parse_args(argv)
     args.shapes = args.shapes or SHAPES
-    args.decays = args.decays or ["sigmoid", "softplus"]
+    args.cases = args.cases or list(CASES)
     if not torch.cuda.is_available():
         raise SystemExit("the kda benchmark needs a CUDA device")
     print(f"python {platform.python_version()}", file=sys.stderr)
@@ -279,12 +290,12 @@ def main(argv=None):
 
 def profile_kernels(shape, with_fla):
     """Per-kernel CUDA time of one forward+backward of kda_gated (and of fla's chunk_kda when
-    with_fla), for both maps (torch profiler), so stages can be compared kernel by kernel; then the total
+    with_fla), for every gate case (torch profiler), so stages can be compared kernel by kernel; then the total
     GPU kernel time of each and their ratio."""
     B, T, H, K, V = shape
     impls = [("ours", run_ours)] + ([("fla", run_fla)] if with_fla else [])
-    for decay in ("sigmoid", "softplus"):
-        xs = make_inputs(B, T, H, K, V, decay, "cuda")
+    for case, decay in CASES.items():
+        xs = make_inputs(B, T, H, K, V, case, "cuda")
         gpu_ms = {}
         for name, fn in impls:
             for _ in range(2):
@@ -293,7 +304,7 @@ def profile_kernels(shape, with_fla):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn(*xs, decay).sum().backward()
                 torch.cuda.synchronize()
-            print(f"## per-kernel CUDA time, {name}, {decay}, shape {shape}", flush=True)
+            print(f"## per-kernel CUDA time, {name}, {case}, shape {shape}", flush=True)
             try:
                 table = prof.key_averages().table(sort_by="device_time_total", row_limit=16)
             except (AttributeError, KeyError):
@@ -301,7 +312,7 @@ def profile_kernels(shape, with_fla):
             print(table, flush=True)
             gpu_ms[name] = kernel_ms(prof)
         if with_fla:  # wall-clock time also counts the host's gaps between kernels; this ratio does not
-            print(f"GPU kernel time of one forward+backward, {decay}: ours {gpu_ms['ours']:.2f} ms, "
+            print(f"GPU kernel time of one forward+backward, {case}: ours {gpu_ms['ours']:.2f} ms, "
                   f"fla {gpu_ms['fla']:.2f} ms, ours / fla {gpu_ms['ours'] / gpu_ms['fla']:.2f}\n", flush=True)
 
 

@@ -71,6 +71,15 @@ def _run_checks() -> dict:
     saved = kda_fwd(*[x.float() for x in half], 16 ** -0.5, None, False, False)[2]
     triton_fwd.LAUNCH["gate_cumsum"] = saved_launch
     out["chunk_flags_half_saturated"] = saved["Safe"].tolist()
+    # the benchmark's softplus cases: typical gates stay in the tensor-core range, the fast-forgetting
+    # channel puts every chunk past it
+    from kernels.bench import make_inputs as bench_inputs
+
+    for case in ("softplus", "softplus-fast"):
+        q, k, v, z, bl, A_log, dt_bias = [x.detach() for x in bench_inputs(1, 256, 2, 16, 16, case, "cpu", torch.float32)]
+        saved = kda_fwd(q, k, v, z, torch.sigmoid(bl), 16 ** -0.5, None, False, False, gate=2, A_log=A_log,
+                        dt_bias=dt_bias)[2]
+        out[f"bench_chunk_flags_{case}"] = saved["Safe"].tolist()
 
     # what the forward keeps between kernels, by input dtype (triton_fwd.storage_dtype)
     from kernels.kda.triton_fwd import prep_fwd
@@ -218,6 +227,13 @@ def test_unbounded_gate_picks_the_split_per_chunk(results):
     """Mild chunks take the tensor-core split, the saturated one the exact diagonal kernels."""
     assert results["chunk_flags"] == [1, 0, 1]
     assert results["chunk_flags_half_saturated"] == [1, 0, 1]
+
+
+def test_bench_softplus_cases_take_the_paths_they_claim(results):
+    """kernels.bench: the typical softplus gates leave every chunk on the tensor-core split; the
+    softplus-fast case (one fast-forgetting channel per head) sends every chunk to the exact kernels."""
+    assert results["bench_chunk_flags_softplus"] == [1] * 8
+    assert results["bench_chunk_flags_softplus-fast"] == [0] * 8
 
 
 def test_causality(results):
