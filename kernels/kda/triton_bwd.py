@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..device import sm_count
-from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _diag_decay, _load_rows, _load_tile, _pow2,
+from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _halving_factors, _load_rows, _load_tile, _pow2,
                          _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass, storage_dtype)
 
 
@@ -292,44 +292,51 @@ def _cols_db(
 
 @triton.jit
 def _bwd_diag(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus)
     in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums
-    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk, b*h, BKD key columns); per
-    sub-block the pairwise decays E_ij = e^{G_i - G_j} (j <= i, exponents <= 0)
-    form one [BC, BC, BKD] tensor shared by the four products
+    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk x sub-block, b*h). With the pairwise
+    decays E_ij = e^{G_i - G_j} (j <= i) the four products are
         x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
         x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
-    and dq += x1, dk += x2 + x3 + x4, dG += q x1 - k x2 + k (x3 - x4)."""
-    i_n, i_bh, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    each a masked tensor-core product per level of the halving split (``_halving_factors``: E_ij =
+    up_i lo_j), plus P's diagonal (E_ii = 1); then dq += x1, dk += x2 + x3 + x4,
+    dG += q x1 - k x2 + k (x3 - x4)."""
+    i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
+    i_bh = tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride_k = H * K
-    c0 = i_c * BKD
-    base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    r16 = tl.arange(0, BCC)
-    cd = c0 + tl.arange(0, BKD)
     if tl.load(Safe + i_bh * NT + i_n) == 0:
-        for n in tl.static_range(BTC // BCC):
-            rows = n * BCC + r16
-            E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)                    # [i, j, c]
-            qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
-            kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKD)
-            moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-            dP = tl.load(dPs + moff)[:, :, None]                           # [i, j, 1]
-            dA = tl.load(dAs + moff)[:, :, None]
-            kE = kd[None, :, :] * E                                        # k_j E_ij
-            x1 = tl.sum(dP * kE, axis=1)
-            x3 = tl.sum(dA * kE, axis=1)
-            x2 = tl.sum(dP * (qd[:, None, :] * E), axis=0)
-            x4 = tl.sum(dA * (kd[:, None, :] * E), axis=0)
-            poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
-            pmask = cd[None, :] < K
-            tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
-            tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
-            tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
+        stride_k = H * K
+        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        r16 = tl.arange(0, BCC)
+        cd = tl.arange(0, BK)
+        rows = n * BCC + r16
+        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
+        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
+        moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+        dP = tl.load(dPs + moff)
+        dA = tl.load(dAs + moff)
+        dP_ii = tl.sum(tl.where(r16[:, None] == r16[None, :], dP, 0.0), axis=1)[:, None]
+        x1, x2 = dP_ii * kd, dP_ii * qd
+        x3 = tl.zeros([BCC, BK], dtype=tl.float32)
+        x4 = tl.zeros([BCC, BK], dtype=tl.float32)
+        for level in tl.static_range(4):
+            up, lo, same = _halving_factors(G_ptr, n, K, BCC >> level, BCC, BK)
+            mP = tl.where(same, dP, 0.0)
+            mA = tl.where(same, dA, 0.0)
+            kl, ku = kd * lo, kd * up
+            x1 += up * tl.dot(mP, kl, input_precision=PREC)
+            x3 += up * tl.dot(mA, kl, input_precision=PREC)
+            x2 += lo * tl.dot(tl.trans(mP), qd * up, input_precision=PREC)
+            x4 += lo * tl.dot(tl.trans(mA), ku, input_precision=PREC)
+        poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
+        pmask = cd[None, :] < K
+        tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
+        tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
+        tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
 
 
 @triton.jit
@@ -479,9 +486,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dq = torch.empty(q.shape, device=dev, dtype=dqk_dtype or q.dtype)
     dk = torch.empty(k.shape, device=dev, dtype=dqk_dtype or k.dtype)
     if not safe_gate:
-        BKD = min(BK, 32)
-        _bwd_diag[(NT, B * H, triton.cdiv(K, BKD))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BT, BC,
-                                                   BKD, num_warps=4)
+        _bwd_diag[(NT * (BT // BC), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BK, BT, BC, prec,
+                                            num_warps=8)
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")
     for chunks in chunk_sets(safe_gate):

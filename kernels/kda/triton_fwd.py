@@ -18,8 +18,9 @@ over chunks, one program per (b, h, V-block), whose products take W and Kd as th
 
 Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
 inside ``tl.dot``: with SAFE = False (any gate, e.g. softplus) the split points are the first row
-of the query's 16-row sub-block (all exponents <= 0), and the 16x16 diagonal sub-blocks are formed
-exactly, as [16, 16, 16 columns] tensors of pairwise decays (``_diag_decay``); with SAFE = True
+of the query's 16-row sub-block (all exponents <= 0), and the 16x16 diagonal sub-blocks are split
+the same way recursively, at the middle rows of halves, quarters, eighths (``_halving_factors``:
+four masked products, every exponent <= 0); with SAFE = True
 (gate bounded below, g >= -5 as in K3's sigmoid map) the split point is the middle row of the
 sub-block, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal sub-blocks are
 tensor-core matmuls too (K3 sec. 2.1.1).
@@ -136,14 +137,24 @@ def _gate_cumsum(
 
 
 @triton.jit
-def _diag_decay(G_ptr, n, c0, K, BCC: tl.constexpr, BKD: tl.constexpr):
-    """E[i, j, c] = e^{min(G_ic - G_jc, 0)} for rows i, j of 16-row sub-block n and the BKD columns
-    c0 .. c0+BKD of the chunk's G (row 0 at G_ptr): the exact pairwise decay of a diagonal sub-block,
-    every exponent <= 0 whatever the gate. Returns float32 [BC, BC, BKD]."""
-    rows = n * BCC + tl.arange(0, BCC)
-    cols = c0 + tl.arange(0, BKD)
-    Gd = tl.load(G_ptr + rows[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
-    return tl.exp(tl.minimum(Gd[:, None, :] - Gd[None, :, :], 0.0))
+def _halving_factors(G_ptr, n, K, S: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
+    """One level of the halving split of diagonal sub-block n (rows n*BCC .. n*BCC+BCC of the chunk's G,
+    row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
+    the upper half of a group and j in the lower half of the same one has
+        e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j},   both exponents <= 0 whatever the gate,
+    and every pair i > j of the sub-block is such a pair at exactly one level S = BCC, BCC/2, .., 2.
+    Returns up [BC, BK] (e^{G_i - G_r} on upper-half rows, else 0), lo [BC, BK] (e^{G_r - G_j} on
+    lower-half rows, else 0) and the [BC, BC] same-group mask, all float32."""
+    r = tl.arange(0, BCC)
+    cols = tl.arange(0, BK)
+    ref = n * BCC + (r // S) * S + S // 2
+    cm = cols[None, :] < K
+    Gd = tl.load(G_ptr + (n * BCC + r)[:, None] * K + cols[None, :], mask=cm, other=0.0)
+    Gr = tl.load(G_ptr + ref[:, None] * K + cols[None, :], mask=cm, other=0.0)
+    e = tl.exp(-tl.abs(Gd - Gr))
+    upper = ((r % S) >= S // 2)[:, None]
+    same = (r[:, None] // S) == (r[None, :] // S)
+    return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), same
 
 
 # The chunks one launch of ``_intra`` or ``_bwd_local_k`` covers (a compile-time argument), and so its
@@ -267,32 +278,33 @@ def _intra(
 @triton.jit
 def _intra_diag(
     q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, BKD: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The four diagonal 16x16 sub-blocks of At and P of one chunk for an unbounded gate (softplus)
-    whose Safe flag is 0, written over the zeros ``_intra`` left there: M_ij = sum_c a_ic k_jc E_ijc
-    with the exact pairwise decays E (``_diag_decay``), BKD key columns at a time."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    """One diagonal 16x16 sub-block of At and P (program axis 0 runs over chunks x sub-blocks) for an
+    unbounded gate (softplus) in a chunk whose Safe flag is 0, written over the zeros ``_intra`` left
+    there: M_ij = sum_c a_ic k_jc e^{G_ic - G_jc} as one masked 16x16 tensor-core product per level of
+    the halving split (``_halving_factors``), plus P's diagonal q_i . k_i."""
+    i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
+    i_bh = tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    stride = H * K
-    base = (i_b * T * H + i_h) * K + t0 * stride
-    G_ptr = G + (i_bh * NT * BTC + t0) * K
-    r16 = tl.arange(0, BCC)
     if tl.load(Safe + i_bh * NT + i_n) == 0:
-        for n in tl.static_range(BTC // BCC):
-            A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-            P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-            for c0 in tl.static_range(0, BK, BKD):
-                E = _diag_decay(G_ptr, n, c0, K, BCC, BKD)               # [i, j, c]
-                k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
-                q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKD)
-                kE = k_d[None, :, :] * E                                 # k_jc E_ijc
-                A_d += tl.sum(k_d[:, None, :] * kE, axis=2)
-                P_d += tl.sum(q_d[:, None, :] * kE, axis=2)
-            rows = n * BCC + r16
-            offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-            tl.store(At + offs, tl.where(r16[:, None] > r16[None, :], A_d, 0.0))
-            tl.store(P + offs, tl.where(r16[:, None] >= r16[None, :], P_d * scale, 0.0))
+        stride = H * K
+        base = (i_b * T * H + i_h) * K + t0 * stride
+        G_ptr = G + (i_bh * NT * BTC + t0) * K
+        k_d = _load_tile(k + base, n * BCC, T_local, stride, K, BCC, BK)
+        q_d = _load_tile(q + base, n * BCC, T_local, stride, K, BCC, BK)
+        r16 = tl.arange(0, BCC)
+        A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+        P_d = tl.where(r16[:, None] == r16[None, :], tl.sum(q_d * k_d, axis=1)[:, None], 0.0)
+        for level in tl.static_range(4):
+            up, lo, same = _halving_factors(G_ptr, n, K, BCC >> level, BCC, BK)
+            kl = tl.trans(k_d * lo)
+            A_d += tl.where(same, tl.dot(k_d * up, kl, input_precision=PREC), 0.0)
+            P_d += tl.where(same, tl.dot(q_d * up, kl, input_precision=PREC), 0.0)
+        rows = n * BCC + r16
+        offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+        tl.store(At + offs, A_d)
+        tl.store(P + offs, P_d * scale)
 
 
 @triton.jit
@@ -594,7 +606,8 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
         _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
                                          **intra_opts)
     if not safe_gate:
-        _intra_diag[(NT, B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, 16, num_warps=4)
+        _intra_diag[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, prec,
+                                              num_warps=8)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
