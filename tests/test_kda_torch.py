@@ -107,6 +107,19 @@ def test_float32_saturated_gates_stay_finite_and_accurate():
         assert rel(a.double(), b) < 1e-4, (name, rel(a.double(), b))
 
 
+@pytest.mark.parametrize("gate", ["mild", "moderate", "softplus_sat"])
+def test_runs_under_bf16_autocast(gate):
+    """Float32 inputs under bf16 autocast (the model's mixed-precision training) on every decay path:
+    matmuls return bf16 there, and the path must combine them with its float32 pieces (it once failed
+    with a dtype mismatch on the sub-block path) and stay within bf16 error of the reference."""
+    inputs = make_inputs(1, 130, 2, 32, 32, gate, seed=14)
+    ref, _ = kda_recurrent(*inputs[:5], initial_state=inputs[5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = kda_chunk_torch(*[x.float() for x in inputs[:5]], initial_state=inputs[5].float())
+    assert torch.isfinite(o).all()
+    assert rel(o.double(), ref) < 3e-2
+
+
 @pytest.mark.parametrize("P", [37, 64, 100])
 def test_causality(P):
     """Changing every input at positions t >= P leaves the outputs before P unchanged."""

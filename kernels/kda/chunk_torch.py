@@ -98,8 +98,9 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, f: DecayFactors, strict: 
     n_idx, m_idx = torch.tril_indices(nb, nb, -1, device=a.device)
     a_row = (ab * f.row)[..., n_idx, :, :] * f.cross[..., n_idx, m_idx, :].unsqueeze(-2)  # [..., P, SUB, K]
     b_col = (bb * f.col)[..., m_idx, :, :]
-    off = a.new_zeros(*batch, nb, nb, SUB, SUB)
-    off[..., n_idx, m_idx, :, :] = a_row @ b_col.transpose(-1, -2)
+    pairs = a_row @ b_col.transpose(-1, -2)  # in autocast's dtype when autocast is on, hence new_zeros on it
+    off = pairs.new_zeros(*batch, nb, nb, SUB, SUB)
+    off[..., n_idx, m_idx, :, :] = pairs
     # Same sub-block.
     if f.pair is None:
         diag = (ab * f.mid_row) @ (bb * f.mid_col).transpose(-1, -2)         # [..., nb, SUB, SUB]
