@@ -92,23 +92,25 @@ def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
         time.sleep(0.05)
     assert ckpt.exists(), victim.communicate()[0]
     victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    victim_log = victim.communicate()[0]
     killed_dir = tmp_path / "default" / "killed"
-    assert json.loads((killed_dir / "summary.json").read_text())["status"] == "running"
+    status = json.loads((killed_dir / "summary.json").read_text())["status"]
+    assert status == "running", f"status {status!r} after the kill; the victim's output:\n{victim_log}"
 
     resumed = run_cli([f"resume={killed_dir}", f"out_dir={tmp_path}"])
     log = resumed.communicate(timeout=600)[0]
-    assert resumed.returncode == 0, log
-    assert "resuming" in log
+    both = f"victim's output:\n{victim_log}\nresumed run's output:\n{log}"  # kept for any failure below
+    assert resumed.returncode == 0, both
+    assert "resuming" in log, both
     summary = json.loads((killed_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 12
-    assert abs(summary["loss_val_final"] - reference["loss_val_final"]) < 1e-5
+    assert summary["status"] == "completed" and summary["steps"] == 12, (summary, both)
+    assert abs(summary["loss_val_final"] - reference["loss_val_final"]) < 1e-5, (summary, reference, both)
     # one curve: every step logged once, train losses equal to the uninterrupted run's
     ref_train = {r["step"]: r["loss/train"] for r in rows(tmp_path / "default" / "whole") if "loss/train" in r}
     got = [(r["step"], r["loss/train"]) for r in rows(killed_dir) if "loss/train" in r]
-    assert [s for s, _ in got] == sorted(ref_train)
+    assert [s for s, _ in got] == sorted(ref_train), (got, both)
     for step, loss in got:
-        assert abs(loss - ref_train[step]) < 1e-5, step
+        assert abs(loss - ref_train[step]) < 1e-5, (step, loss, ref_train[step], both)
 
 
 def test_ddp_on_two_cpu_processes_equals_one_process_with_the_doubled_batch(corpus, tmp_path):
