@@ -97,11 +97,11 @@ def _bwd_state(
 @triton.jit
 def _v_block(do, Dl, dDl, chunk_v, iv, T_local, V: tl.constexpr, stride_v, BTC: tl.constexpr, BV: tl.constexpr):
     """V-block iv of one chunk (chunk_v: offset of its first element in [B, T, H, V]): the block's offset
-    and columns, and dO, delta and d delta there, float32 [BT, BV] each."""
+    and columns, and dO, delta (both [BT, BV] in their stored dtype) and d delta (float32) there."""
     base_v = chunk_v + iv * BV
     nv = V - iv * BV
-    dO = _load_tile(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
-    dl = _load_tile(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+    dO = _load_rows(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
+    dl = _load_rows(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
     ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
     return base_v, iv * BV + tl.arange(0, BV), dO, dl, ddl
 
@@ -128,7 +128,7 @@ def _bwd_local_v(
         base_v, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
                                            stride_v, BTC, BV)
         vv = _load_tile(v + base_v, 0, T_local, stride_v, V - iv * BV, BTC, BV)
-        dP += tl.dot(dO, tl.trans(dl), input_precision=PREC)
+        dP += tl.dot(dO.to(tl.float32), tl.trans(dl.to(tl.float32)), input_precision=PREC)
         dT += tl.dot(ddl, tl.trans(vv * bt[:, None]), input_precision=PREC)
         dXv = tl.dot(tl.trans(Ti), ddl, input_precision=PREC)
         tl.store(dv + base_v + r[:, None] * stride_v + tl.arange(0, BV)[None, :],
@@ -162,12 +162,8 @@ def _bwd_local_kv(
     dKd = tl.zeros([BTC, BKS], dtype=tl.float32)
     dglast = tl.zeros([BKS], dtype=tl.float32)
     for iv in range(tl.cdiv(V, BV)):
-        base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
-        nv = V - iv * BV
-        cv = iv * BV + tl.arange(0, BV)
-        dO = _load_rows(do + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        dl = _load_rows(Dl + base_v, 0, T_local, stride_v, nv, BTC, BV)
-        ddl = _load_tile(dDl + base_v, 0, T_local, stride_v, nv, BTC, BV)
+        _, cv, dO, dl, ddl = _v_block(do, Dl, dDl, (i_b * T * H + i_h) * V + t0 * stride_v, iv, T_local, V,
+                                      stride_v, BTC, BV)
         hmask = (ck[:, None] < K) & (cv[None, :] < V)
         hoff = (i_bh * NT + i_n) * K * V + ck[:, None] * V + cv[None, :]
         h = tl.load(Hs + hoff, mask=hmask, other=0.0)
@@ -316,6 +312,7 @@ def _bwd_diag(
         rows = n * BCC + r16
         qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
         kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
+        Gd = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
         dP = tl.load(dPs + moff)
         dA = tl.load(dAs + moff)
@@ -324,7 +321,7 @@ def _bwd_diag(
         x3 = tl.zeros([BCC, BK], dtype=tl.float32)
         x4 = tl.zeros([BCC, BK], dtype=tl.float32)
         for level in tl.static_range(4):
-            up, lo, same = _halving_factors(G_ptr, n, K, BCC >> level, BCC, BK)
+            up, lo, same = _halving_factors(Gd, G_ptr, n, K, BCC >> level, BCC, BK)
             mP = tl.where(same, dP, 0.0)
             mA = tl.where(same, dA, 0.0)
             kl, ku = kd * lo, kd * up

@@ -137,9 +137,9 @@ def _gate_cumsum(
 
 
 @triton.jit
-def _halving_factors(G_ptr, n, K, S: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
-    """One level of the halving split of diagonal sub-block n (rows n*BCC .. n*BCC+BCC of the chunk's G,
-    row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
+def _halving_factors(Gd, G_ptr, n, K, S: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
+    """One level of the halving split of diagonal sub-block n (its rows of the chunk's G in Gd [BC, BK],
+    the chunk's row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
     the upper half of a group and j in the lower half of the same one has
         e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j},   both exponents <= 0 whatever the gate,
     and every pair i > j of the sub-block is such a pair at exactly one level S = BCC, BCC/2, .., 2.
@@ -148,9 +148,7 @@ def _halving_factors(G_ptr, n, K, S: tl.constexpr, BCC: tl.constexpr, BK: tl.con
     r = tl.arange(0, BCC)
     cols = tl.arange(0, BK)
     ref = n * BCC + (r // S) * S + S // 2
-    cm = cols[None, :] < K
-    Gd = tl.load(G_ptr + (n * BCC + r)[:, None] * K + cols[None, :], mask=cm, other=0.0)
-    Gr = tl.load(G_ptr + ref[:, None] * K + cols[None, :], mask=cm, other=0.0)
+    Gr = tl.load(G_ptr + ref[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
     e = tl.exp(-tl.abs(Gd - Gr))
     upper = ((r % S) >= S // 2)[:, None]
     same = (r[:, None] // S) == (r[None, :] // S)
@@ -293,11 +291,12 @@ def _intra_diag(
         G_ptr = G + (i_bh * NT * BTC + t0) * K
         k_d = _load_tile(k + base, n * BCC, T_local, stride, K, BCC, BK)
         q_d = _load_tile(q + base, n * BCC, T_local, stride, K, BCC, BK)
+        Gd = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         r16 = tl.arange(0, BCC)
         A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
         P_d = tl.where(r16[:, None] == r16[None, :], tl.sum(q_d * k_d, axis=1)[:, None], 0.0)
         for level in tl.static_range(4):
-            up, lo, same = _halving_factors(G_ptr, n, K, BCC >> level, BCC, BK)
+            up, lo, same = _halving_factors(Gd, G_ptr, n, K, BCC >> level, BCC, BK)
             kl = tl.trans(k_d * lo)
             A_d += tl.where(same, tl.dot(k_d * up, kl, input_precision=PREC), 0.0)
             P_d += tl.where(same, tl.dot(q_d * up, kl, input_precision=PREC), 0.0)
