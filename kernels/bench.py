@@ -1,9 +1,10 @@
 """Kernel benchmarks: ``python -m kernels.bench kda [--check] [--out benchmarks/RESULTS_kda.md]``.
 
-For each shape and gate case (sigmoid; softplus; softplus with a fast-forgetting channel, see CASES) it times, in bf16 with the gate, the q/k L2 norm and
-the beta sigmoid folded into the call: our Triton KDA (``kernels.kda.triton.kda_gated``), fla's
-``chunk_kda`` (fla-core, when installed, with ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``,
-``use_beta_sigmoid_in_kernel`` and, for sigmoid, ``safe_gate`` with ``lower_bound=-5``), the plain
+For each shape and gate case (sigmoid; softplus; softplus with a fast-forgetting channel, see CASES)
+it times, in bf16 with the gate, the q/k L2 norm and the beta sigmoid folded into the call: our Triton
+KDA (``kernels.kda.triton.kda_gated``), fla's ``chunk_kda`` (fla-core, when installed, with
+``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel`` and, for sigmoid,
+``safe_gate`` with ``lower_bound=-5``), the plain
 PyTorch chunkwise path and causal SDPA (flash attention) at the same shape. Forward and forward+backward
 are timed with CUDA events: warm-up, then the median of ``--reps`` runs, cycling over several sets of
 fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors of our kernel against
