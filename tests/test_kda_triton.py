@@ -31,7 +31,7 @@ CASES = {
 # chunk flags and dA_log parts combine across them
 GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
          "gated_sigmoid_two_key_slices": ("sigmoid", 16), "gated_softplus_two_key_slices": ("softplus", 16)}
-KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd")
+KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd", "intra_diag", "bwd_diag")
 
 
 def _run_checks() -> dict:
@@ -132,16 +132,19 @@ def _run_checks() -> dict:
     # the launch table (V-block widths, key slices, warps, stages) changes speed only: narrow V-blocks and
     # key slices, so that V = 32 and K = 32 span two of them, give the same outputs and gradients as the
     # default table
-    inputs = [x.float() for x in make_inputs(1, 70, 2, 32, 32, "moderate", seed=12)]
-    default = outputs_and_grads(kda_triton, inputs)
-    saved_launch = {name: dict(opts) for name, opts in triton_fwd.LAUNCH.items()}
-    for name in ("state", "output", "bwd_state", "bwd_local_v", "bwd_local_kv"):
-        triton_fwd.LAUNCH[name].update(BV=16, num_warps=2)
-    triton_fwd.LAUNCH["bwd_local_kv"].update(BKS=16)
-    triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
-    narrow = outputs_and_grads(kda_triton, inputs)
-    triton_fwd.LAUNCH.update(saved_launch)
-    out["launch_table"] = {n: rel(a.double(), b.double()) for n, a, b in zip(NAMES, narrow, default)}
+    # default table, and saturated softplus gates for the diagonal kernels of out-of-range chunks
+    for name, gate in (("launch_table", "moderate"), ("launch_table_saturated", "softplus_sat")):
+        inputs = [x.float() for x in make_inputs(1, 70, 2, 32, 32, gate, seed=12)]
+        default = outputs_and_grads(kda_triton, inputs)
+        saved_launch = {kernel: dict(opts) for kernel, opts in triton_fwd.LAUNCH.items()}
+        for kernel in ("state", "output", "bwd_state", "bwd_local_v", "bwd_local_kv"):
+            triton_fwd.LAUNCH[kernel].update(BV=16, num_warps=2)
+        for kernel in ("bwd_local_kv", "intra_diag", "bwd_diag"):
+            triton_fwd.LAUNCH[kernel].update(BKS=16)
+        triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
+        narrow = outputs_and_grads(kda_triton, inputs)
+        triton_fwd.LAUNCH.update(saved_launch)
+        out[name] = {n: rel(a.double(), b.double()) for n, a, b in zip(NAMES, narrow, default)}
 
     # recompute_states: the backward reruns the state pass instead of reading the kept states; same results
     # (bitwise), and the saved tensors shrink by exactly the chunk states Hs [B, H, NT, K, V] fp32
@@ -208,9 +211,11 @@ def test_half_inputs_keep_half_intermediates(results):
     assert all(d == "float32" for d in full.values())
 
 
-def test_launch_table_changes_nothing(results):
-    """Other V-block widths and warp counts (kernels.kda.triton_fwd.LAUNCH) give the same results."""
-    errs = results["launch_table"]
+@pytest.mark.parametrize("case", ["launch_table", "launch_table_saturated"])
+def test_launch_table_changes_nothing(results, case):
+    """Other V-block widths, key slices and warp counts (kernels.kda.triton_fwd.LAUNCH) give the same
+    results, with moderate gates and with saturated softplus gates (the diagonal kernels' slices)."""
+    errs = results[case]
     assert len(errs) >= 8
     assert all(e < 1e-6 for e in errs.values()), errs
 

@@ -288,12 +288,13 @@ def _cols_db(
 
 @triton.jit
 def _bwd_diag(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus)
     in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums
-    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk x sub-block, b*h). With the pairwise
+    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk x sub-block, b*h, BKS key columns:
+    the products are column-wise, so the slices are independent). With the pairwise
     decays E_ij = e^{G_i - G_j} (j <= i) the four products are
         x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
         x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
@@ -301,27 +302,27 @@ def _bwd_diag(
     up_i lo_j), plus P's diagonal (E_ii = 1); then dq += x1, dk += x2 + x3 + x4,
     dG += q x1 - k x2 + k (x3 - x4)."""
     i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
-    i_bh = tl.program_id(1)
+    i_bh, c0 = tl.program_id(1), tl.program_id(2) * BKS
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     if tl.load(Safe + i_bh * NT + i_n) == 0:
         stride_k = H * K
-        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+        base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
         G_ptr = G + (i_bh * NT * BTC + t0) * K
         r16 = tl.arange(0, BCC)
-        cd = tl.arange(0, BK)
+        cd = c0 + tl.arange(0, BKS)
         rows = n * BCC + r16
-        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
-        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K, BCC, BK)
-        Gd = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
+        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
+        Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
         moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
         dP = tl.load(dPs + moff)
         dA = tl.load(dAs + moff)
         dP_ii = tl.sum(tl.where(r16[:, None] == r16[None, :], dP, 0.0), axis=1)[:, None]
         x1, x2 = dP_ii * kd, dP_ii * qd
-        x3 = tl.zeros([BCC, BK], dtype=tl.float32)
-        x4 = tl.zeros([BCC, BK], dtype=tl.float32)
+        x3 = tl.zeros([BCC, BKS], dtype=tl.float32)
+        x4 = tl.zeros([BCC, BKS], dtype=tl.float32)
         for level in tl.static_range(4):
-            up, lo, same = _halving_factors(Gd, G_ptr, n, K, BCC >> level, BCC, BK)
+            up, lo, same = _halving_factors(Gd, G_ptr, n, c0, K, BCC >> level, BCC, BKS)
             mP = tl.where(same, dP, 0.0)
             mA = tl.where(same, dA, 0.0)
             kl, ku = kd * lo, kd * up
@@ -483,8 +484,10 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dq = torch.empty(q.shape, device=dev, dtype=dqk_dtype or q.dtype)
     dk = torch.empty(k.shape, device=dev, dtype=dqk_dtype or k.dtype)
     if not safe_gate:
-        _bwd_diag[(NT * (BT // BC), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K, BK, BT, BC, prec,
-                                            num_warps=8)
+        _, diag_opts = launch("bwd_diag")
+        BKS_D = min(diag_opts.pop("BKS"), BK)
+        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
+                                                                  BKS_D, BT, BC, prec, **diag_opts)
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")
     for chunks in chunk_sets(safe_gate):

@@ -55,6 +55,8 @@ LAUNCH = {
     "bwd_local_k": dict(RB=16, num_warps=4),
     "gate_cumsum": dict(BKS=32, num_warps=4),
     "dg_bwd": dict(BKS=32, num_warps=4),
+    "intra_diag": dict(BKS=32, num_warps=4),
+    "bwd_diag": dict(BKS=32, num_warps=4),
 }
 
 
@@ -137,16 +139,16 @@ def _gate_cumsum(
 
 
 @triton.jit
-def _halving_factors(Gd, G_ptr, n, K, S: tl.constexpr, BCC: tl.constexpr, BK: tl.constexpr):
-    """One level of the halving split of diagonal sub-block n (its rows of the chunk's G in Gd [BC, BK],
-    the chunk's row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
+def _halving_factors(Gd, G_ptr, n, c0, K, S: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr):
+    """One level of the halving split of diagonal sub-block n over key columns c0 .. c0+BKS (its rows of
+    the chunk's G there in Gd [BC, BKS], the chunk's row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
     the upper half of a group and j in the lower half of the same one has
         e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j},   both exponents <= 0 whatever the gate,
     and every pair i > j of the sub-block is such a pair at exactly one level S = BCC, BCC/2, .., 2.
-    Returns up [BC, BK] (e^{G_i - G_r} on upper-half rows, else 0), lo [BC, BK] (e^{G_r - G_j} on
+    Returns up [BC, BKS] (e^{G_i - G_r} on upper-half rows, else 0), lo [BC, BKS] (e^{G_r - G_j} on
     lower-half rows, else 0) and the [BC, BC] same-group mask, all float32."""
     r = tl.arange(0, BCC)
-    cols = tl.arange(0, BK)
+    cols = c0 + tl.arange(0, BKS)
     ref = n * BCC + (r // S) * S + S // 2
     Gr = tl.load(G_ptr + ref[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
     e = tl.exp(-tl.abs(Gd - Gr))
@@ -276,12 +278,12 @@ def _intra(
 @triton.jit
 def _intra_diag(
     q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
+    BKS: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """One diagonal 16x16 sub-block of At and P (program axis 0 runs over chunks x sub-blocks) for an
     unbounded gate (softplus) in a chunk whose Safe flag is 0, written over the zeros ``_intra`` left
     there: M_ij = sum_c a_ic k_jc e^{G_ic - G_jc} as one masked 16x16 tensor-core product per level of
-    the halving split (``_halving_factors``), plus P's diagonal q_i . k_i."""
+    the halving split (``_halving_factors``) and key slice of BKS columns, plus P's diagonal q_i . k_i."""
     i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
     i_bh = tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
@@ -289,17 +291,19 @@ def _intra_diag(
         stride = H * K
         base = (i_b * T * H + i_h) * K + t0 * stride
         G_ptr = G + (i_bh * NT * BTC + t0) * K
-        k_d = _load_tile(k + base, n * BCC, T_local, stride, K, BCC, BK)
-        q_d = _load_tile(q + base, n * BCC, T_local, stride, K, BCC, BK)
-        Gd = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
         r16 = tl.arange(0, BCC)
         A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-        P_d = tl.where(r16[:, None] == r16[None, :], tl.sum(q_d * k_d, axis=1)[:, None], 0.0)
-        for level in tl.static_range(4):
-            up, lo, same = _halving_factors(Gd, G_ptr, n, K, BCC >> level, BCC, BK)
-            kl = tl.trans(k_d * lo)
-            A_d += tl.where(same, tl.dot(k_d * up, kl, input_precision=PREC), 0.0)
-            P_d += tl.where(same, tl.dot(q_d * up, kl, input_precision=PREC), 0.0)
+        P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+        for c0 in tl.static_range(0, BK, BKS):  # key slices
+            k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKS)
+            q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKS)
+            Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
+            P_d += tl.where(r16[:, None] == r16[None, :], tl.sum(q_d * k_d, axis=1)[:, None], 0.0)
+            for level in tl.static_range(4):
+                up, lo, same = _halving_factors(Gd, G_ptr, n, c0, K, BCC >> level, BCC, BKS)
+                kl = tl.trans(k_d * lo)
+                A_d += tl.where(same, tl.dot(k_d * up, kl, input_precision=PREC), 0.0)
+                P_d += tl.where(same, tl.dot(q_d * up, kl, input_precision=PREC), 0.0)
         rows = n * BCC + r16
         offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
         tl.store(At + offs, A_d)
@@ -605,8 +609,10 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
         _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
                                          **intra_opts)
     if not safe_gate:
-        _intra_diag[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BT, BC, prec,
-                                              num_warps=8)
+        _, diag_opts = launch("intra_diag")
+        BKS_D = min(diag_opts.pop("BKS"), BK)
+        _intra_diag[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BKS_D, BT, BC, prec,
+                                              **diag_opts)
     Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
