@@ -89,32 +89,44 @@ def test_matches_fla(gate):
         assert rel(a, b) < 2e-2, (n, rel(a, b))
 
 
-@pytest.mark.parametrize("decay", ["sigmoid", "softplus"])
-def test_model_layer_same_with_triton_and_torch_backends(decay):
-    """The model's KDA layer (k3lab.model.kda.KDA) under bf16 autocast gives the same output and
-    parameter gradients with kernels.backend=triton (states kept or recomputed) as with the plain torch
-    path."""
+def layer_run(decay, backend, recompute, dtype, autocast, device="cuda"):
+    """Output and parameter gradients of the model's KDA layer (k3lab.model.kda.KDA, 4 heads of 128) on
+    one fixed input, the same weights for every call; softplus gets fast, varied decays (A_h up to 16,
+    dt_bias = -4) so that its out-of-range chunks are exercised."""
     from k3lab.config import DecayConfig, KernelsConfig, ModelConfig
     from k3lab.model.kda import KDA
 
-    layers, outs = [], []
-    for backend, recompute in (("torch", False), ("triton", False), ("triton", True)):
-        cfg = ModelConfig(n_layers=4, d_model=512, head_dim=128, decay=DecayConfig(name=decay),
-                          kernels=KernelsConfig(backend=backend, recompute_states=recompute))
-        torch.manual_seed(0)
-        layer = KDA(cfg).cuda()
-        if layers:
-            layer.load_state_dict(layers[0].state_dict())
-        elif decay == "softplus":
-            with torch.no_grad():
-                layer.A_log.copy_(torch.log(torch.linspace(1, 16, layer.A_log.numel())))
-                layer.dt_bias.fill_(-4.0)
-        layers.append(layer)
-        x = torch.randn(2, 700, 512, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        y.float().square().mean().backward()
-        outs.append([y.float()] + [p.grad.float() for p in layer.parameters()])
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert rel(a, b) < 2e-2, rel(a, b)
+    cfg = ModelConfig(n_layers=4, d_model=512, head_dim=128, decay=DecayConfig(name=decay),
+                      kernels=KernelsConfig(backend=backend, recompute_states=recompute))
+    torch.manual_seed(0)
+    layer = KDA(cfg)
+    if decay == "softplus":
+        with torch.no_grad():
+            layer.A_log.copy_(torch.log(torch.linspace(1, 16, layer.A_log.numel())))
+            layer.dt_bias.fill_(-4.0)
+    layer = layer.to(device=device, dtype=dtype)
+    x = torch.randn(2, 700, 512, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    y.double().square().mean().backward()
+    return dict(y=y.detach(), **{n: p.grad for n, p in layer.named_parameters()})
+
+
+@pytest.mark.parametrize("decay", ["sigmoid", "softplus"])
+def test_model_layer_same_with_triton_and_torch_backends(decay):
+    """The model's KDA layer with kernels.backend=triton (states kept or recomputed) against the same layer
+    on the torch path in float64, for the output and every parameter gradient:
+    - in fp32, within 1e-3;
+    - under bf16 autocast, within twice the torch path's own bf16 error, plus 1e-3.
+    The bf16 bound is relative to the torch path because some of these gradients are small sums that
+    cancel: at the sigmoid map's init, dt_bias, f_down and f_up get gradients ~1e-5 whose bf16 error is
+    ~20% on either backend, so a fixed threshold between two bf16 runs cannot separate bugs from rounding."""
+    ref = layer_run(decay, "torch", False, torch.float64, autocast=False)
+    torch_bf16 = layer_run(decay, "torch", False, torch.float32, autocast=True)
+    for recompute in (False, True):
+        fp32 = layer_run(decay, "triton", recompute, torch.float32, autocast=False)
+        bf16 = layer_run(decay, "triton", recompute, torch.float32, autocast=True)
+        for n, want in ref.items():
+            assert rel(fp32[n], want) < 1e-3, ("fp32", recompute, n, rel(fp32[n], want))
+            bound = 2 * rel(torch_bf16[n], want) + 1e-3
+            assert rel(bf16[n], want) < bound, ("bf16", recompute, n, rel(bf16[n], want), bound)
