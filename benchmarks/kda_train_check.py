@@ -2,9 +2,11 @@
 
     python benchmarks/kda_train_check.py                        # GPU: model=small, trainer=gpu, 50 steps
     python benchmarks/kda_train_check.py --backends torch,triton,fla --seq 2048
+    python benchmarks/kda_train_check.py --backends torch,triton,triton trainer.deterministic=true
 
-Runs ``run.py`` once per ``kernels.backend`` with the same seed, data and config (everything but the
-backend), then compares the per-step training loss of each backend with the first one (the plain
+Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and config
+(everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``, which
+with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the per-step training loss of each backend with the first one (the plain
 PyTorch chunkwise path by default) and the median step time over the steps after ``--skip`` (kernel
 compilation and autotuning happen in the first steps). Prints a table and writes it to ``--out``.
 """
@@ -23,18 +25,18 @@ sys.path.insert(0, str(ROOT))
 from k3lab.rundir import read_metrics  # noqa: E402
 
 
-def train(backend: str, args) -> Path:
+def train(backend: str, label: str, args) -> Path:
     out_dir = Path(args.out_dir)
     cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}",
            f"kernels.backend={backend}", f"train.max_steps={args.steps}", "train.log_every=1",
            f"train.val_every={args.steps}", "train.ckpt_every=0", f"data.seq_len={args.seq}",
-           f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name={backend}",
+           f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name={label}",
            "overwrite=true", *args.overrides]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
-    print(f"  {backend}: {time.perf_counter() - t0:.0f} s wall", flush=True)
-    return out_dir / "kda_train" / backend
+    print(f"  {label}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    return out_dir / "kda_train" / label
 
 
 def losses_and_step_ms(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float]:
@@ -59,23 +61,31 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     backends = args.backends.split(",")
+    labels = [b if b not in backends[:i] else f"{b}-{backends[:i].count(b) + 1}" for i, b in enumerate(backends)]
     tokens_per_step = args.seq * args.batch
-    results = {b: losses_and_step_ms(train(b, args), tokens_per_step, args.skip) for b in backends}
-    ref_loss, ref_ms = results[backends[0]]
+    results = {label: losses_and_step_ms(train(b, label, args), tokens_per_step, args.skip)
+               for b, label in zip(backends, labels)}
+    ref = labels[0]
+    ref_loss, ref_ms = results[ref]
     lines = [f"Loss curve and step time by `kernels.backend`: model={args.model}, trainer={args.trainer}, "
              f"{args.steps} steps of {args.batch}x{args.seq} tokens, overrides {args.overrides or 'none'}.", "",
-             f"| backend | steps | max abs loss diff vs {backends[0]} | mean abs diff | final train loss "
-             f"| median step ms (steps > {args.skip}) | speed-up vs {backends[0]} |",
+             f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss "
+             f"| median step ms (steps > {args.skip}) | speed-up vs {ref} |",
              "|---|---|---|---|---|---|---|"]
-    for b in backends:
-        loss, ms = results[b]
-        common = sorted(set(loss) & set(ref_loss))
-        diffs = [abs(loss[s] - ref_loss[s]) for s in common]
-        lines.append(f"| {b} | {len(common)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
+    for label in labels:
+        loss, ms = results[label]
+        diffs = [abs(loss[s] - ref_loss[s]) for s in sorted(set(loss) & set(ref_loss))]
+        lines.append(f"| {label} | {len(diffs)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
                      f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x |")
-    curve = ["", "| step | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for b, label in zip(backends, labels):
+        if label != b:  # a repeat: does the step repeat bit for bit?
+            first, again = results[b][0], results[label][0]
+            same = [s for s in first if s in again and first[s] == again[s]]
+            lines.append(f"\nRepeat {label} vs {b}: {len(same)} of {len(first)} logged losses bitwise equal, "
+                         f"max abs diff {max(abs(first[s] - again[s]) for s in first if s in again):.2e}.")
+    curve = ["", "| step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for s in sorted(set(sorted(ref_loss)[:: max(1, args.steps // 10)]) | {max(ref_loss)}):
-        curve.append(f"| {s} | " + " | ".join(f"{results[b][0].get(s, float('nan')):.4f}" for b in backends) + " |")
+        curve.append(f"| {s} | " + " | ".join(f"{results[r][0].get(s, float('nan')):.4f}" for r in labels) + " |")
     text = "\n".join(lines + curve) + "\n"
     print(text, flush=True)
     if args.out:

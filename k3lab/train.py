@@ -102,6 +102,18 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def deterministic_mode(tc: DictConfig) -> bool | str:
+    """Lightning's ``deterministic`` from trainer.deterministic: null means on for the CPU and off on
+    GPUs; true, false and "warn" are passed through. Lightning then calls
+    torch.use_deterministic_algorithms and sets CUBLAS_WORKSPACE_CONFIG."""
+    mode = tc.get("deterministic")
+    if mode is None:
+        return tc.accelerator == "cpu"
+    if mode not in (True, False, "warn"):
+        raise ValueError(f"trainer.deterministic={mode!r} is not an option; valid options: null, true, false, warn")
+    return mode
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
     tc = cfg.trainer
@@ -115,7 +127,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
         overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
         callbacks=[ckpt, progress_callback(cfg.train.max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
         enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
-        deterministic=tc.accelerator == "cpu",
+        deterministic=deterministic_mode(tc),
     )
 
 
@@ -130,6 +142,7 @@ def quiet_lightning() -> None:
 def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callback] = ()) -> dict:
     """One run into its run directory (docs/run_directory.md); extra Lightning callbacks (probes) may ride along."""
     quiet_lightning()
+    deterministic_mode(cfg.trainer)  # a bad value fails here, before any run directory exists
     cfg, run_dir, ckpt_path = prepare_run_dir(cfg, list(overrides))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data_cfg: DataConfig = typed(DataConfig, cfg.data)

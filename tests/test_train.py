@@ -183,6 +183,7 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(cor
     ("decay=softplos", ["sigmoid", "softplus"]),
     ("optim=muonn", ["muon_per_head", "adamw"]),
     ("model.d_modle=3", ["d_modle"]),
+    ("trainer.deterministic=maybe", ["null", "true", "false", "warn"]),
 ])
 def test_config_typos_fail_fast_naming_valid_options(arg, expected):
     proc = run_cli([arg])
@@ -190,6 +191,22 @@ def test_config_typos_fail_fast_naming_valid_options(arg, expected):
     assert proc.returncode != 0
     for word in expected:
         assert word in out
+
+
+@pytest.mark.parametrize("value, enabled", [("null", True), ("false", False), ("true", True)])
+def test_trainer_deterministic_switch_sets_torch_deterministic_algorithms(tmp_path, value, enabled):
+    """trainer.deterministic reaches torch: null means on for the CPU; false turns it off there."""
+    from k3lab.train import build_trainer
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"trainer.deterministic={value}"])
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(not enabled)
+        build_trainer(cfg, tmp_path, loggers=[], n_val_batches=1)
+        assert torch.are_deterministic_algorithms_enabled() is enabled
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_resume_of_missing_directory_names_the_path(tmp_path):
