@@ -4,10 +4,10 @@
     python benchmarks/kda_train_check.py --backends torch,triton,fla --seq 2048
     python benchmarks/kda_train_check.py --backends torch,triton,triton trainer.deterministic=true
 
-Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and config
-(everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``, which
-with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the per-step training loss of each backend with the first one (the plain
-PyTorch chunkwise path by default) and the median step time over the steps after ``--skip`` (kernel
+Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and
+config (everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``,
+which with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the
+per-step training loss of each run with the first one (the plain PyTorch chunkwise path by default) and the median step time over the steps after ``--skip`` (kernel
 compilation and autotuning happen in the first steps). Prints a table and writes it to ``--out``.
 """
 from __future__ import annotations
