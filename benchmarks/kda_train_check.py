@@ -7,8 +7,9 @@
 Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and
 config (everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``,
 which with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the
-per-step training loss of each run with the first one (the plain PyTorch chunkwise path by default) and the median step time over the steps after ``--skip`` (kernel
-compilation and autotuning happen in the first steps). Prints a table and writes it to ``--out``.
+per-step training loss of each run with the first one (the plain PyTorch chunkwise path by default)
+and the median step time over the steps after ``--skip`` (kernel compilation and autotuning happen in
+the first steps). Prints a table and writes it to ``--out``.
 """
 from __future__ import annotations
 
