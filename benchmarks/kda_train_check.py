@@ -14,6 +14,7 @@ the first steps). Prints a table and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -40,11 +41,13 @@ def train(backend: str, label: str, args) -> Path:
     return out_dir / "kda_train" / label
 
 
-def losses_and_step_ms(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float]:
+def losses_step_ms_memory(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float, float]:
+    """Train loss per step, the median step time in ms after ``skip`` steps, and the peak memory in MB."""
     rows = [r for r in read_metrics(run_dir) if "loss/train" in r]
     loss = {r["step"]: r["loss/train"] for r in rows}
     step_ms = [1e3 * tokens_per_step / r["speed/tokens_per_s"] for r in rows if r["step"] > skip]
-    return loss, statistics.median(step_ms)
+    peak_mb = json.loads((run_dir / "summary.json").read_text())["peak_memory_mb"]
+    return loss, statistics.median(step_ms), peak_mb
 
 
 def main(argv=None) -> None:
@@ -64,20 +67,20 @@ def main(argv=None) -> None:
     backends = args.backends.split(",")
     labels = [b if b not in backends[:i] else f"{b}-{backends[:i].count(b) + 1}" for i, b in enumerate(backends)]
     tokens_per_step = args.seq * args.batch
-    results = {label: losses_and_step_ms(train(b, label, args), tokens_per_step, args.skip)
+    results = {label: losses_step_ms_memory(train(b, label, args), tokens_per_step, args.skip)
                for b, label in zip(backends, labels)}
     ref = labels[0]
-    ref_loss, ref_ms = results[ref]
+    ref_loss, ref_ms, _ = results[ref]
     lines = [f"Loss curve and step time by `kernels.backend`: model={args.model}, trainer={args.trainer}, "
              f"{args.steps} steps of {args.batch}x{args.seq} tokens, overrides {args.overrides or 'none'}.", "",
              f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss "
-             f"| median step ms (steps > {args.skip}) | speed-up vs {ref} |",
-             "|---|---|---|---|---|---|---|"]
+             f"| median step ms (steps > {args.skip}) | speed-up vs {ref} | peak memory MB |",
+             "|---|---|---|---|---|---|---|---|"]
     for label in labels:
-        loss, ms = results[label]
+        loss, ms, peak_mb = results[label]
         diffs = [abs(loss[s] - ref_loss[s]) for s in sorted(set(loss) & set(ref_loss))]
         lines.append(f"| {label} | {len(diffs)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
-                     f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x |")
+                     f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x | {peak_mb:,.0f} |")
     for b, label in zip(backends, labels):
         if label != b:  # a repeat: does the step repeat bit for bit?
             first, again = results[b][0], results[label][0]

@@ -93,6 +93,7 @@ class MixerConfig:
 class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
+    checkpoint_kda: bool = False    # any backend: rerun each KDA call in the backward, keep only its inputs
 
 
 @dataclass

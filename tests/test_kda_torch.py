@@ -180,3 +180,39 @@ def test_model_layer_passes_kernel_options(monkeypatch):
                       kernels=KernelsConfig(backend="torch", recompute_states=True))
     kda_layer.KDA(cfg)(torch.randn(1, 10, 128))
     assert seen["backend"] == "torch" and seen["recompute_states"] is True
+
+
+def test_checkpoint_kda_reruns_the_call_in_the_backward_with_the_same_results(monkeypatch):
+    """kernels.checkpoint_kda: the KDA call runs again in the backward (twice per step, not once), the
+    autograd graph keeps fewer bytes, and the output and every parameter gradient are bitwise the same."""
+    from k3lab.config import KernelsConfig, ModelConfig
+    from k3lab.model import kda as kda_layer
+
+    calls = []
+    real = kda_layer.kda
+    monkeypatch.setattr(kda_layer, "kda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def step(checkpoint_kda):
+        cfg = ModelConfig(n_layers=4, d_model=128, head_dim=64,
+                          kernels=KernelsConfig(backend="torch", checkpoint_kda=checkpoint_kda))
+        torch.manual_seed(0)
+        layer = kda_layer.KDA(cfg)
+        x = torch.randn(2, 100, 128, generator=torch.Generator().manual_seed(1))
+        kept = {}  # storage -> bytes, of every tensor the graph keeps for the backward
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x)
+        calls.clear()
+        y.square().mean().backward()
+        return [y] + [p.grad for p in layer.parameters()], sum(kept.values()), len(calls)
+
+    plain, plain_bytes, plain_calls = step(False)
+    ckpt, ckpt_bytes, ckpt_calls = step(True)
+    assert (plain_calls, ckpt_calls) == (0, 1)
+    assert ckpt_bytes < plain_bytes / 2, (ckpt_bytes, plain_bytes)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)

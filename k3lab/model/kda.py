@@ -10,7 +10,9 @@ Per head h, with state S_t [K, V] (Kimi Linear, arXiv:2510.26692, eq. 1):
     start with slow decay (sigmoid: g in [-0.47, -0.005]); beta_t = sigmoid(W_b x) per head.
 q, k, v pass a causal depthwise conv (size 4) and SiLU; q and k are L2-normalised per head.
 Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
-The sequence mixing itself runs through `kernels.kda.kda` (chunkwise torch, Triton or fla).
+The sequence mixing itself runs through `kernels.kda.kda` (chunkwise torch, Triton or fla); with
+kernels.checkpoint_kda it runs under torch.utils.checkpoint: the backward reruns it from its inputs
+instead of keeping its intermediates.
 """
 import math
 from functools import partial
@@ -18,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
@@ -56,6 +59,7 @@ class KDA(nn.Module):
         self.n_heads, self.head_dim, self.decay = H, K, cfg.decay
         self.backend = cfg.kernels.backend
         self.recompute_states = cfg.kernels.recompute_states
+        self.checkpoint_kda = cfg.kernels.checkpoint_kda
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * K, bias=False)
@@ -95,6 +99,10 @@ class KDA(nn.Module):
         # the sigmoid map bounds g below by g_min: with g_min >= -5 the Triton/fla kernels may run every
         # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1)
         safe = self.decay.name == "sigmoid" and self.decay.g_min >= -5
-        o, _ = kda(q, k, v, g, beta, backend=self.backend, safe_gate=safe, recompute_states=self.recompute_states)
+        mix = partial(kda, backend=self.backend, safe_gate=safe, recompute_states=self.recompute_states)
+        if self.checkpoint_kda and torch.is_grad_enabled():  # nothing random inside: no RNG state to keep
+            o, _ = checkpoint(mix, q, k, v, g, beta, use_reentrant=False, preserve_rng_state=False)
+        else:
+            o, _ = mix(q, k, v, g, beta)
         o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj(o.reshape(B, T, H * K))
