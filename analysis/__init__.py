@@ -10,6 +10,7 @@ Modules (each also a command, `python -m analysis.<name> --help`):
     plots     matplotlib figures (PNG + SVG)
     report    one command: a sweep folder or a CSV -> a Markdown report with tables and figures
     synthetic synthetic run directories drawn from a known scaling law (tests, example figures)
+    switches  the switches and their options (analysis's copy of k3lab/switches.py, checked by a test)
 """
 import importlib
 

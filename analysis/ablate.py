@@ -19,14 +19,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.collect import SWITCHES, collect
+from analysis.collect import collect
+from analysis.switches import K3_DEFAULT, SWITCH_OPTIONS, SWITCHES
 
-# The K3 default of each switch (DESIGN.md: the first option of each group).
-DEFAULT_BASELINE = {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim": "muon_per_head",
-                    "residual": "block_attnres", "moe": "latent_norm", "mixer": "hybrid"}
-OPTION_ORDER = {"decay": ["sigmoid", "softplus"], "glu": ["situ", "swiglu"], "balance": ["qb", "sign", "aux", "none"],
-                "optim": ["muon_per_head", "muon", "adamw"], "residual": ["block_attnres", "full_attnres", "standard"],
-                "moe": ["latent_norm", "latent", "standard", "dense"], "mixer": ["hybrid", "mla", "kda"]}
+# The baseline of an ablation: the K3 default of each switch (the first option of each group).
+DEFAULT_BASELINE = K3_DEFAULT
 # What must be equal for two runs to be compared: the model config and its size (a ladder shares one
 # config name across depths), the data and the training length.
 DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "tokens")
@@ -107,7 +104,7 @@ def compare(opt: pd.DataFrame, base: pd.DataFrame, metric: str, level: float = 0
 
 
 def _ordered(switch: str, options: Sequence, ref) -> list:
-    known = OPTION_ORDER.get(switch, [])
+    known = SWITCH_OPTIONS.get(switch, ())
     rest = sorted((o for o in options if o not in known and o != ref), key=str)
     return [ref] + [o for o in known if o in options and o != ref] + rest
 

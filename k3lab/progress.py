@@ -15,6 +15,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from k3lab.switches import SWITCHES
+
 
 class LineProgress(Callback):
     """Prints `step 120/600 (20%) | loss 5.123 | 14.2k tok/s | elapsed 0:31 | eta 2:04` about 20 times a run."""
@@ -58,7 +60,7 @@ def progress_callback(max_steps: int) -> Callback:
 def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_token: float,
                      unigram_entropy: float, tokens_per_step: int) -> None:
     table = Table(title=f"k3lab run -> {run_dir}", show_header=False)
-    for switch in ("decay", "glu", "balance", "optim", "residual", "moe", "mixer"):
+    for switch in SWITCHES:
         table.add_row(switch, str(cfg[switch].name))
     table.add_row("model / data", f"{cfg.model.name} / {cfg.data.name}, seed {cfg.seed}")
     for key, value in counts.items():
@@ -68,3 +70,15 @@ def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_tok
     table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * cfg.train.max_steps:.3e}")
     table.add_row("unigram entropy", f"{unigram_entropy:.4f} nats (the loss of a frequency-only model)")
     Console(width=110).print(table)
+
+
+@rank_zero_only
+def print_final(s: dict) -> None:
+    """The last line of a run: its validation loss against the unigram floor, length and wall time."""
+    if s.get("loss_val_final") is None:
+        print(f"done: no validation loss, {s['steps']} steps, {s['wall_time_s']:.0f} s")
+        return
+    gap = s["unigram_entropy"] - s["loss_val_final"]
+    where = f"{gap:.3f} nats below" if gap >= 0 else f"{-gap:.3f} nats above"
+    print(f"done: val loss {s['loss_val_final']:.4f} ({where} the unigram entropy {s['unigram_entropy']:.4f}), "
+          f"{s['steps']} steps, {s['tokens']:,} tokens, {s['wall_time_s']:.0f} s")

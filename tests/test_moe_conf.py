@@ -7,13 +7,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from k3lab.config import BALANCES, MOES, BalanceConfig, GLUConfig, MoEConfig
+from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.moe import MoE
+from k3lab.switches import SWITCHES
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("group,schema,options", [("moe", MoEConfig, MOES), ("balance", BalanceConfig, BALANCES)])
+@pytest.mark.parametrize("group,schema,options", [("moe", MoEConfig, SWITCHES["moe"].options),
+                                                  ("balance", BalanceConfig, SWITCHES["balance"].options)])
 def test_config_group_files_match_the_schema(group, schema, options):
     files = sorted((ROOT / "conf" / group).glob("*.yaml"))
     assert {f.stem for f in files} == set(options)

@@ -12,9 +12,11 @@ from torch import nn
 
 from omegaconf import OmegaConf
 
-from k3lab.config import OPTIMS, OptimConfig
+from k3lab.config import OptimConfig
+from k3lab.model.tags import tag
 from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, lr_lambda, newton_schulz,
                          orthogonal_update, param_groups, split_params)
+from k3lab.switches import SWITCHES
 
 RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
 
@@ -42,7 +44,7 @@ class ToyLM(nn.Module):
         self.conv = nn.Conv1d(d, d, 4, groups=d, padding=3, bias=False)
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            proj.weight.head_blocks = heads
+            tag(proj, "weight", head_blocks=heads)
         self.o_proj = nn.Linear(d, d, bias=True)
         self.norm_weight = nn.Parameter(torch.ones(d))
         self.experts = nn.Parameter(torch.randn(experts, d, d) / math.sqrt(d))
@@ -83,12 +85,10 @@ def loss_of(model, batch):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def one_step_delta(p0, grad, **group):
+def one_step_delta(p0, grad, head_blocks=0, **group):
     """Parameter change after one optimizer step on a single parameter with the given grad."""
     p = nn.Parameter(p0.clone())
-    if hasattr(p0, "head_blocks"):
-        p.head_blocks = p0.head_blocks
-    opt = Muon([dict(params=[p], use_muon=True, **group)])
+    opt = Muon([dict(params=[p], use_muon=True, head_blocks=[head_blocks], **group)])
     p.grad = grad.clone()
     opt.step()
     return (p.detach() - p0).clone()
@@ -153,9 +153,8 @@ def test_decoupled_weight_decay():
 def test_per_head_equals_blockwise_ns_and_differs_from_whole():
     H, dh, D = 4, 16, 32  # block [16, 32] -> scale sqrt(32); whole [64, 32] -> scale sqrt(64)
     w = torch.zeros(H * dh, D)
-    w.head_blocks = H
     g = torch.randn(H * dh, D)
-    per_head = one_step_delta(w, g, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=True)
+    per_head = one_step_delta(w, g, head_blocks=H, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=True)
     blocks = [-RMS * math.sqrt(max(dh, D)) * newton_schulz(b).float() for b in g.split(dh, dim=0)]
     torch.testing.assert_close(per_head, torch.cat(blocks), rtol=0, atol=2e-3)
     whole = -RMS * math.sqrt(H * dh) * newton_schulz(g).float()
@@ -164,9 +163,8 @@ def test_per_head_equals_blockwise_ns_and_differs_from_whole():
 
 def test_muon_ignores_head_blocks():
     w = torch.zeros(64, 32)
-    w.head_blocks = 4
     g = torch.randn(64, 32)
-    delta = one_step_delta(w, g, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=False)
+    delta = one_step_delta(w, g, head_blocks=4, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=False)
     torch.testing.assert_close(delta, -RMS * math.sqrt(64) * newton_schulz(g).float(), rtol=0, atol=1e-6)
 
 
@@ -185,9 +183,8 @@ def test_bad_inputs_fail_loudly():
     with pytest.raises(ValueError, match="use_muon"):
         Muon([dict(params=[nn.Parameter(torch.ones(4, 4))])])
     w = torch.zeros(10, 8)
-    w.head_blocks = 3
     with pytest.raises(ValueError, match="does not divide"):
-        one_step_delta(w, torch.randn(10, 8), per_head=True)
+        one_step_delta(w, torch.randn(10, 8), head_blocks=3, per_head=True)
 
 
 def test_adamw_groups_match_torch_adamw():
@@ -291,8 +288,8 @@ def test_lightning_config_shape():
 
 def test_yaml_options_load_and_build():
     conf_dir = Path(__file__).resolve().parents[1] / "conf" / "optim"
-    assert {f.stem for f in conf_dir.glob("*.yaml")} == set(OPTIMS)
-    for name in OPTIMS:
+    assert {f.stem for f in conf_dir.glob("*.yaml")} == set(SWITCHES["optim"].options)
+    for name in SWITCHES["optim"].options:
         node = OmegaConf.merge(OmegaConf.structured(OptimConfig), OmegaConf.load(conf_dir / f"{name}.yaml"))
         cfg = OmegaConf.to_object(node)
         assert cfg.name == name
@@ -368,7 +365,7 @@ def test_state_dict_resume_is_exact():
             opt.step()
             sched.step()
 
-    ref, resumed = seeded_toy(), seeded_toy()  # not deepcopy: it drops the head_blocks attribute
+    ref, resumed = seeded_toy(), copy.deepcopy(seeded_toy())  # tags live on modules: a deep copy keeps them
     cfg = OptimConfig(warmup_steps=3)
     opt, sched = build_optimizer(ref, cfg, total_steps=20)
     run(10, ref, opt, sched)

@@ -10,8 +10,8 @@ are full-width GLUs. LatentMoE's "acc" variant (scale_with_latent) multiplies n_
 alpha, which keeps total and active routed parameters equal to the standard MoE's (w*h per expert
 matrix, alpha times as many, alpha times as many active).
 
-Expert weights are stacked [n_experts, out, in] (attribute `per_expert = True`: dim 0 indexes experts,
-an optimizer may treat each slice [out, in] as its own matrix). Dispatch sorts the k*m (token, expert)
+Expert weights are stacked [n_experts, out, in] (dim 0 indexes experts; Muon treats each 3-D stack's
+slices [out, in] as matrices of their own). Dispatch sorts the k*m (token, expert)
 pairs by expert and runs each of the three GLU matmuls as one grouped matmul (`torch._grouped_mm`,
 CUDA bf16), or, elsewhere, as a loop over the experts' contiguous segments.
 """
@@ -21,10 +21,12 @@ import torch
 from torch import nn
 
 from k3lab.config import BalanceConfig, GLUConfig, ModelConfig, MoEConfig
+from k3lab.distributed import all_reduce_sum, broadcast_from_rank0
 from k3lab.model.ffn import GLU, glu_combine
 from k3lab.model.norm import RMSNorm
-from k3lab.model.router import (Router, Routing, all_reduce_sum, broadcast_from_rank0, build_balancer,
-                                expert_load, max_violation, score_entropy)
+from k3lab.model.router import Router, Routing, build_balancer, expert_load, max_violation, score_entropy
+from k3lab.switches import check_option
+from k3lab.model.tags import tag
 
 
 def default_expert_hidden(d_model: int, top_k: int, ffn_hidden: int | None = None) -> int:
@@ -45,7 +47,8 @@ def grouped_mm_usable(x: torch.Tensor, *dims: int) -> bool:
 class GroupedExperts(nn.Module):
     """n GLU experts, x [M, w] -> [M, w] for M (token, expert) pairs already sorted by expert.
 
-    w1, w2 [n, h, w] (gate, up), w3 [n, w, h] (out; `is_output_proj`), all `per_expert`.
+    w1, w2 [n, h, w] (gate, up), w3 [n, w, h] (out; tagged `output_proj`); Muon orthogonalises each
+    expert's slice of these 3-D stacks on its own.
     E_e(x) = w3[e] glu_combine(w1[e] x, w2[e] x).
     """
 
@@ -55,9 +58,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n, hidden, width))
         self.w2 = nn.Parameter(torch.empty(n, hidden, width))
         self.w3 = nn.Parameter(torch.empty(n, width, hidden))
-        for p in (self.w1, self.w2, self.w3):
-            p.per_expert = True
-        self.w3.is_output_proj = True
+        tag(self, "w3", output_proj=True)
         self.reset_parameters(init_std)
 
     @torch.no_grad()
@@ -130,8 +131,7 @@ class MoE(nn.Module):
         super().__init__()
         if moe.name == "dense":
             raise ValueError("moe=dense is the model's plain GLU FFN; build GLU, not MoE")
-        if moe.name not in ("latent_norm", "latent", "standard"):
-            raise ValueError(f"moe.name={moe.name!r} is not an option; valid options: latent_norm, latent, standard, dense")
+        check_option("moe", moe.name)
         self.kind = moe.name
         self.latent = moe.name in ("latent", "latent_norm")
         alpha = moe.latent_ratio if self.latent else 1
@@ -149,7 +149,7 @@ class MoE(nn.Module):
         if self.latent:
             self.down = nn.Linear(d_model, self.width, bias=False)   # W_down [w, D]
             self.up = nn.Linear(self.width, d_model, bias=False)     # W_up [D, w]
-            self.up.is_output_proj = True
+            tag(self.up, "weight", output_proj=True)
         self.norm = RMSNorm(self.width, eps) if moe.name == "latent_norm" else None
 
         self.balancer = build_balancer(balance, self.n_experts, self.top_k)

@@ -29,11 +29,13 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import BalanceConfig
+from k3lab.distributed import all_gather_rows, all_reduce_sum
+from k3lab.switches import check_option
+from k3lab.model.tags import tag
 
 
 # --- routing ------------------------------------------------------------------------------------
@@ -62,14 +64,14 @@ def normal_init(p: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tens
 
 
 class Router(nn.Module):
-    """x [m, D] -> Routing. weight [n, D] (a parameter; `weight.init(p, gen)` draws N(0, init_std)
-    for the model's initialiser); bias [n] (a buffer: saved, not optimised)."""
+    """x [m, D] -> Routing. weight [n, D] (a parameter; its `init` tag draws N(0, init_std) for the
+    model's initialiser); bias [n] (a buffer: saved, not optimised)."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, init_std: float = 0.02):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.weight = nn.Parameter(torch.empty(n_experts, d_model).normal_(0.0, init_std))
-        self.weight.init = functools.partial(normal_init, std=init_std)
+        tag(self, "weight", init=functools.partial(normal_init, std=init_std))
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> Routing:
@@ -94,41 +96,6 @@ def score_entropy(scores: torch.Tensor) -> torch.Tensor:
     """scores [m, n] -> per-token entropy [m] (nats) of the scores normalised to a distribution."""
     p = scores / scores.sum(-1, keepdim=True)
     return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
-
-
-# --- data-parallel pooling ----------------------------------------------------------------------
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (no-op without torch.distributed)."""
-    if _distributed():
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_gather_rows(t: torch.Tensor, pad_value: float) -> torch.Tensor:
-    """t [m_r, n] on each rank -> [sum_r m_r', n] with every rank's rows (shorter ranks padded with
-    pad_value up to the longest, so pick a value that cannot change the statistic)."""
-    if not _distributed():
-        return t
-    sizes = [torch.zeros(1, dtype=torch.int64, device=t.device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device))
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.full((longest, t.shape[1]), pad_value, dtype=t.dtype, device=t.device)
-    padded[: t.shape[0]] = t
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded)
-    return torch.cat(parts)
-
-
-def broadcast_from_rank0(t: torch.Tensor) -> torch.Tensor:
-    """Every rank ends with rank 0's copy (guards against any non-determinism between ranks)."""
-    if _distributed():
-        dist.broadcast(t, src=0)
-    return t
 
 
 # --- Quantile Balancing (K3 eqs. 13-14) ---------------------------------------------------------
@@ -306,12 +273,9 @@ class NoBalance(AuxLossBalance):
 
 
 def build_balancer(cfg: BalanceConfig, n: int, k: int):
-    if cfg.name == "qb":
-        return QuantileBalance(n, k, cfg.hist_bins, cfg.iters)
-    if cfg.name == "sign":
-        return SignBalance(n, cfg.gamma)
-    if cfg.name == "aux":
-        return AuxLossBalance(cfg.aux_coef)
-    if cfg.name == "none":
-        return NoBalance()
-    raise ValueError(f"balance.name={cfg.name!r} is not an option; valid options: qb, sign, aux, none")
+    """The balancing rule of option `cfg.name` for n experts with top-k routing."""
+    check_option("balance", cfg.name)
+    return {"qb": lambda: QuantileBalance(n, k, cfg.hist_bins, cfg.iters),
+            "sign": lambda: SignBalance(n, cfg.gamma),
+            "aux": lambda: AuxLossBalance(cfg.aux_coef),
+            "none": NoBalance}[cfg.name]()

@@ -7,15 +7,15 @@ per run, so the LightningModule keeps automatic optimisation:
         return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.cfg.trainer.max_steps)
 
 Options (`optim.name`):
-- muon_per_head: Muon on hidden matrices, Newton-Schulz per head on weights with `head_blocks`
+- muon_per_head: Muon on hidden matrices, Newton-Schulz per head on weights tagged `head_blocks`
   (K3 §2.5, arXiv:2607.24653); AdamW on the rest.
 - muon: the same, whole-matrix Newton-Schulz everywhere (`head_blocks` ignored).
 - adamw: AdamW on everything at `adam_lr` (hidden matrices join the decayed AdamW group).
 All three use the same AdamW arithmetic for the tensors `split_params` sends to AdamW, so an option
 changes only how the hidden matrices are updated.
 
-Gradient clipping (`optim.grad_clip`) is the trainer's job: pass it as Lightning's
-`gradient_clip_val`; it clips the DDP-averaged gradients before `step`.
+Gradient clipping (`optim.grad_clip`) is the LightningModule's: K3LitModule.configure_gradient_clipping
+clips the DDP-averaged gradients before `step`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ import math
 import torch
 from torch import nn
 
-from k3lab.config import OPTIMS, OptimConfig, check_choice
+from k3lab.config import OptimConfig
+from k3lab.switches import check_option
+from k3lab.model.tags import tags_by_param
 from k3lab.optim.muon import Muon
 
 ADAMW_MODULE_NAMES = ("embed", "lm_head")
@@ -39,7 +41,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
          (at any depth, so a wrapper such as a LightningModule holding `model` is fine), or
       3. it belongs to a convolution (the short depthwise convs: [C, 1, k] kernels are per-channel
          filters, not matrices), or
-      4. it carries `no_muon = True` (an escape hatch a layer can set on any tensor).
+      4. it is tagged `no_muon` (k3lab/model/tags.py: an escape hatch a layer can set on any tensor).
     Muon takes every other parameter: 2-D hidden weights and 3-D stacked expert weights [E, out, in].
 
     Tied weights are listed once (under their first name). Frozen parameters are left out. The two
@@ -51,6 +53,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
         for p in mod.parameters(recurse=False):
             owner.setdefault(id(p), mod)
             owner_name.setdefault(id(p), mod_name)
+    tags = tags_by_param(model)
     muon, adamw = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
@@ -61,7 +64,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
             or isinstance(mod, nn.Embedding)
             or mod_name.rsplit(".", 1)[-1] in ADAMW_MODULE_NAMES
             or isinstance(mod, nn.modules.conv._ConvNd)
-            or getattr(p, "no_muon", False)
+            or tags.get(id(p), {}).get("no_muon", False)
         )
         (adamw if to_adamw else muon).append(p)
     return muon, adamw
@@ -71,15 +74,17 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Param groups for `Muon`: a Muon group (absent under adamw), AdamW with weight decay for
     tensors of >= 2 dims (embedding, head; plus all hidden matrices under adamw), AdamW without
     weight decay for 1-D tensors. Empty groups are dropped; each group has a `name` for logging."""
-    check_choice("optim", cfg.name, OPTIMS)
+    check_option("optim", cfg.name)
     muon, adamw = split_params(model)
     if cfg.name == "adamw":
         muon, adamw = [], muon + adamw
+    tags = tags_by_param(model)
     common_adam = dict(use_muon=False, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps)
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-             per_head=cfg.name == "muon_per_head"),
+             per_head=cfg.name == "muon_per_head",
+             head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
         dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
         dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
     ]

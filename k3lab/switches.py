@@ -1,0 +1,52 @@
+"""The switches: one place for every switch, its options and where its code lives.
+
+A switch is a Hydra config group (`conf/<switch>/<option>.yaml`) whose option names are what a user
+types and what the results table shows; the first option is the K3 default. Everything that lists
+switches or options reads this table: the config schemas (k3lab/config.py), the run header, the
+`switches` field of summary.json, `python run.py --help`. `analysis/` keeps its own copy
+(analysis/switches.py: analysis never imports k3lab) and tests/test_registry.py checks that the copy,
+this table, the files in conf/ and the defaults list of conf/config.yaml agree.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Switch(NamedTuple):
+    options: tuple[str, ...]  # the first is the K3 default
+    what: str                 # one line: what the options change
+    code: str                 # where the code that the switch changes lives
+
+
+SWITCHES: dict[str, Switch] = {
+    "decay": Switch(("sigmoid", "softplus"),
+                    "KDA log-decay map: K3's bounded sigmoid (eq. 5) vs Kimi Linear's softplus",
+                    "k3lab/model/kda.py (KDA.log_decay)"),
+    "glu": Switch(("situ", "swiglu"),
+                  "FFN/expert activation: SiTU x softcap vs SwiGLU",
+                  "k3lab/model/ffn.py (glu_combine)"),
+    "balance": Switch(("qb", "sign", "aux", "none"),
+                      "MoE router-bias balancing: Quantile Balancing vs sign update vs aux loss vs none",
+                      "k3lab/model/router.py (build_balancer)"),
+    "optim": Switch(("muon_per_head", "muon", "adamw"),
+                    "optimizer: Muon with per-head Newton-Schulz on Q/K/V vs whole-matrix Muon vs AdamW",
+                    "k3lab/optim/build.py, k3lab/optim/muon.py"),
+    "residual": Switch(("block_attnres", "full_attnres", "standard"),
+                       "residual stream: Attention Residuals over blocks / every sublayer vs PreNorm",
+                       "k3lab/model/attnres.py, k3lab/model/residual.py"),
+    "moe": Switch(("latent_norm", "latent", "standard", "dense"),
+                  "FFN: K3's normalised LatentMoE vs LatentMoE vs full-width MoE vs one dense FFN",
+                  "k3lab/model/moe.py"),
+    "mixer": Switch(("hybrid", "mla", "kda"),
+                    "sequence-mixer layout: 3 KDA : 1 gated MLA vs all MLA vs all KDA",
+                    "k3lab/config.py (ModelConfig.layer_kinds), k3lab/model/kda.py, k3lab/model/mla.py"),
+}
+
+K3_DEFAULT: dict[str, str] = {name: s.options[0] for name, s in SWITCHES.items()}
+
+
+def check_option(switch: str, value: str) -> None:
+    """Raise one clear line when `value` is not an option of `switch`."""
+    options = SWITCHES[switch].options
+    if value not in options:
+        raise ValueError(f"{switch}.name={value!r} is not an option; valid options: {', '.join(options)}")
