@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.config import OptimConfig
-from k3lab.model.attnres import depth_metrics
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
 from k3lab.optim import lightning_optimizers
@@ -37,6 +36,17 @@ def check_finite(loss: torch.Tensor, step: int, reduce) -> None:
         raise NonFiniteLossError(
             f"loss is {loss.item()} at step {step} (not finite on {int(bad)} rank(s)); stopping. The last "
             f"good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+
+
+def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
+    """Flat scalars for metrics.jsonl: {prefix}/output_rms/{i:02d}, {prefix}/input_rms/{i:02d},
+    {prefix}/final_rms and, for AttnRes, {prefix}/emb_weight/{op:02d} (mean weight on the embedding)."""
+    out = {f"{prefix}/final_rms": diag["final_rms"]}
+    for key in ("output_rms", "input_rms"):
+        out.update({f"{prefix}/{key}/{i:02d}": v for i, v in enumerate(diag[key])})
+    for op, row in enumerate(diag.get("depth_weights") or []):
+        out[f"{prefix}/emb_weight/{op:02d}"] = row[0]
+    return out
 
 
 class K3LitModule(L.LightningModule):

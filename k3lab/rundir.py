@@ -1,6 +1,6 @@
-"""The run directory (docs/run_directory.md): metrics.jsonl, summary.json and atomic checkpoints.
+"""The run directory (docs/run_directory.md): its name, metrics.jsonl, summary.json, atomic checkpoints.
 
-`metrics.jsonl` is the source; Lightning's CSVLogger and wandb are mirrors. Every line carries `step`,
+`metrics.jsonl` is the source; metrics.csv (written at the end) and wandb are mirrors. Every line carries `step`,
 `tokens` and `flops`, derived from the step (tokens per step and FLOPs per token are fixed per run,
 so a resumed run continues the same axes).
 """
@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -139,3 +141,63 @@ class Summary:
     @rank_zero_only
     def write(self) -> None:
         atomic_write_text(self.path, json.dumps(self.data, indent=2) + "\n")
+
+
+# --- where a run lives: naming, resuming, the metrics mirror --------------------------------------
+def default_run_name(overrides: list[str]) -> str:
+    """'decay=softplus seed=1' -> 'decay=softplus,seed=1'; no overrides -> 'k3'."""
+    skip = ("resume=", "out_dir=", "group=", "run_name=", "overwrite=", "trainer=", "logger=", "sweep=", "hydra")
+    kept = sorted(o for o in overrides if not o.startswith(skip))
+    return re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(kept)) or "k3"
+
+
+def find_resume_dir(cfg: DictConfig) -> Path:
+    if cfg.resume == "last":
+        candidates = sorted(Path(cfg.out_dir).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise FileNotFoundError(f"resume=last: no checkpoints/last.ckpt under {Path(cfg.out_dir).resolve()}")
+        return candidates[-1].parent.parent
+    run_dir = Path(cfg.resume)
+    if not (run_dir / "checkpoints" / "last.ckpt").exists():
+        raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
+    return run_dir
+
+
+def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Path, Path | None]:
+    """Returns (config to use, run directory, checkpoint to resume from or None)."""
+    if cfg.resume:
+        run_dir = find_resume_dir(cfg)
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        return saved, run_dir, run_dir / "checkpoints" / "last.ckpt"
+    run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
+    if rank_zero_only.rank != 0:  # a DDP worker that Lightning started from this script: rank 0 owns the directory
+        return OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None
+    if (run_dir / "summary.json").exists() and not cfg.overwrite:
+        raise FileExistsError(f"run directory {run_dir} exists; pass resume={run_dir} to continue it, "
+                              f"overwrite=true to start it again, or run_name=<new name>")
+    if cfg.overwrite and run_dir.exists():
+        for name in ("metrics.jsonl", "metrics.csv", "summary.json", "checkpoints/last.ckpt"):
+            (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / "overrides.yaml")
+    return cfg, run_dir, None
+
+
+@rank_zero_only
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """On resume, drop lines logged after the checkpoint, so the resumed run continues one curve."""
+    rows = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+
+@rank_zero_only
+def write_metrics_csv(run_dir: Path) -> None:
+    """metrics.csv, a mirror of metrics.jsonl for spreadsheet users (one column per key)."""
+    import pandas as pd
+
+    rows = read_metrics(run_dir)
+    if rows:
+        pd.DataFrame(rows).to_csv(run_dir / "metrics.csv", index=False)

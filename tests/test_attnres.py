@@ -11,16 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import ResidualConfig
-from k3lab.model.attnres import (
-    AttnResidual,
-    depth_metrics,
-    depth_softmax_mix,
-    depth_softmax_mix_autograd,
-    inv_rms,
-    plot_diagnostics,
-)
+from k3lab.lit import depth_metrics
+from k3lab.model.attnres import AttnResidual, depth_softmax_mix, depth_softmax_mix_autograd, inv_rms
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import StandardResidual, build_residual
+from k3lab.plots import plot_depth_diagnostics
 
 D, EPS = 16, 1e-6
 
@@ -376,7 +371,7 @@ def test_config_errors():
         AttnResidual(ResidualConfig(name="standard"), 8, D, EPS)
 
 
-def test_plot_diagnostics(tmp_path):
+def test_plot_depth_diagnostics(tmp_path):
     n, stack, emb = 8, toy_stack(8).double(), emb_input()
     diags = {}
     for name in ("standard", "block_attnres"):
@@ -384,12 +379,12 @@ def test_plot_diagnostics(tmp_path):
         res.record = True
         run(res, stack, emb)
         diags[name] = res.diagnostics()
-    written = plot_diagnostics(diags, tmp_path, tag="_step10")
+    written = plot_depth_diagnostics(diags, tmp_path, tag="_step10")
     names = sorted(p.name for p in written)
     assert names == ["depth_diagnostics_step10.json", "depth_rms_step10.png",
                      "depth_weights_step10_block_attnres.png"]
     assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
-    single = plot_diagnostics(diags["block_attnres"], tmp_path / "one")
+    single = plot_depth_diagnostics(diags["block_attnres"], tmp_path / "one")
     assert sorted(p.name for p in single) == ["depth_diagnostics.json", "depth_rms.png", "depth_weights.png"]
 
 

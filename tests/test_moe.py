@@ -10,6 +10,7 @@ from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.ffn import glu_combine
 from k3lab.model.moe import MoE
 from k3lab.model.router import expert_load, max_violation
+from k3lab.model.tags import named_tags
 
 
 def build(name="latent_norm", d=32, n=4, k=2, hidden=16, alpha=2, glu="situ", balance="qb", seed=0, **kw):
@@ -145,8 +146,8 @@ def test_weight_layout_and_attributes():
     n, w, h = moe.n_experts, moe.width, moe.hidden
     e = moe.experts
     assert e.w1.shape == e.w2.shape == (n, h, w) and e.w3.shape == (n, w, h)
-    assert all(getattr(p, "per_expert", False) for p in (e.w1, e.w2, e.w3))
-    assert e.w3.is_output_proj and moe.up.is_output_proj and moe.shared.w3.is_output_proj
+    tags = named_tags(moe)
+    assert {n for n, t in tags.items() if t.get("output_proj")} == {"experts.w3", "up.weight", "shared.w3.weight"}
     assert moe.router.weight.shape == (n, 32)
     names = {name for name, _ in moe.named_parameters()}
     assert "router.bias" not in names and "router.bias" in moe.state_dict()

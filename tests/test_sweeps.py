@@ -12,7 +12,7 @@ SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_sweep_composes_and_its_options_exist(name):
-    out = subprocess.run([sys.executable, "run.py", "--config-dir", "sweeps", "--config-name", name, "--cfg", "hydra"],
+    out = subprocess.run([sys.executable, "run.py", f"sweep={name}", "--cfg", "hydra"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     params = yaml.safe_load(out.stdout)["hydra"]["sweeper"]["params"]

@@ -29,10 +29,8 @@ read of each source forward, one backward). Measurements: docs/attnres.md, bench
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -267,76 +265,3 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name}, block_size={self.block_size} sublayers, n_blocks={self.n_blocks}"
-
-
-# --- logging and plots ------------------------------------------------------------------------------
-def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
-    """Flat scalars for metrics.jsonl: {prefix}/output_rms/{i:02d}, {prefix}/input_rms/{i:02d},
-    {prefix}/final_rms and, for AttnRes, {prefix}/emb_weight/{op:02d} (mean weight on the embedding)."""
-    out = {f"{prefix}/final_rms": diag["final_rms"]}
-    for key in ("output_rms", "input_rms"):
-        out.update({f"{prefix}/{key}/{i:02d}": v for i, v in enumerate(diag[key])})
-    for op, row in enumerate(diag.get("depth_weights") or []):
-        out[f"{prefix}/emb_weight/{op:02d}"] = row[0]
-    return out
-
-
-def plot_diagnostics(diag: dict, out_dir: str | Path, tag: str = "") -> list[Path]:
-    """Write the depth diagnostics as PNGs (matplotlib, Agg backend); returns the paths written.
-
-    diag: one `residual.diagnostics()` dict, or {run label: diagnostics dict} to overlay several runs
-    (e.g. standard vs block_attnres) on one RMS plot. Files: depth_diagnostics{tag}.json (the numbers,
-    NaN written as null), depth_rms{tag}.png (per-sublayer output
-    and input RMS across depth: the PreNorm-dilution curve, paper Fig. 5) and, for each AttnRes run,
-    depth_weights{tag}[_label].png (mean alpha, op x source heatmap).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = {diag.get("name", "run"): diag} if "output_rms" in diag else dict(diag)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"depth_diagnostics{tag}.json"
-    path.write_text(json.dumps(runs, indent=1).replace("NaN", "null"))
-    written = [path]
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, d in runs.items():
-        for ax, key in zip(axes, ("output_rms", "input_rms")):
-            y = d[key]
-            ax.plot(range(len(y)), y, marker="o", ms=3, label=label)
-    n = len(next(iter(runs.values()))["output_rms"])
-    for ax, title in zip(axes, ("sublayer output RMS  |f_i(x)|", "sublayer input RMS  |h_i| (before PreNorm)")):
-        ax.set_title(title)
-        ax.set_xlabel("sublayer (layer l: mixer 2l, FFN 2l+1)")
-        ax.set_yscale("log")
-        ax.set_xticks(range(0, n, max(1, n // 12)))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path = out_dir / f"depth_rms{tag}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-
-    for label, d in runs.items():
-        if d.get("depth_weights") is None:
-            continue
-        w = torch.as_tensor(d["depth_weights"], dtype=torch.float32).numpy()
-        fig, ax = plt.subplots(figsize=(1.2 + 0.45 * w.shape[1], 1.2 + 0.3 * w.shape[0]))
-        im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-        ax.set_xticks(range(w.shape[1]), d["column_labels"], rotation=60, ha="right", fontsize=7)
-        ax.set_yticks(range(w.shape[0]), d["op_labels"], fontsize=7)
-        ax.set_xlabel("depth source")
-        ax.set_ylabel("AttnRes op (input of)")
-        ax.set_title(f"mean depth-attention weights: {label}", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.046)
-        fig.tight_layout()
-        suffix = "" if len(runs) == 1 else f"_{label}"
-        path = out_dir / f"depth_weights{tag}{suffix}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written

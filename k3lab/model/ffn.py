@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from k3lab.config import GLUConfig
+from k3lab.model.tags import tag
 
 
 def softcap(x: torch.Tensor, b: float) -> torch.Tensor:
@@ -36,7 +37,7 @@ class GLU(nn.Module):
         self.w1 = nn.Linear(d_in, hidden, bias=False)
         self.w2 = nn.Linear(d_in, hidden, bias=False)
         self.w3 = nn.Linear(hidden, d_out or d_in, bias=False)
-        self.w3.is_output_proj = True  # scaled-down init, see K3Model.init_weights
+        tag(self.w3, "weight", output_proj=True)  # scaled-down init, see K3Model.init_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w3(glu_combine(self.w1(x), self.w2(x), self.cfg))

@@ -10,9 +10,10 @@ optimizer ablations.
 Init (`init_weights`): every parameter is drawn from its own generator, seeded by the run seed and the
 parameter's name, so a switch never shifts the initial values of tensors it does not own (an ablation
 compares the same network). Linear, embedding and stacked-expert weights ~ N(0, init_std), scaled by
-1/sqrt(2 * n_layers) for projections that write into the residual stream (`is_output_proj`, GPT-2);
-depthwise convs ~ U(+-1/sqrt(kernel)); norms at 1; a tensor with an `init` attribute (a function of the
-tensor and a generator) uses it (KDA decay parameters); others keep the value their layer gave them.
+1/sqrt(2 * n_layers) for projections that write into the residual stream (tag `output_proj`, GPT-2);
+depthwise convs ~ U(+-1/sqrt(kernel)); norms at 1; a tensor with an `init` tag (a function of the
+tensor and a generator) uses it (KDA decay parameters, the router); others keep their layer's value.
+Tags: k3lab/model/tags.py.
 """
 import math
 import zlib
@@ -27,6 +28,7 @@ from k3lab.model.mla import GatedMLA
 from k3lab.model.moe import MoE
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import build_residual
+from k3lab.model.tags import tags_by_param
 
 
 class PreNorm(nn.Module):
@@ -73,19 +75,20 @@ class K3Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         std, out_scale = self.cfg.init_std, 1 / math.sqrt(2 * self.cfg.n_layers)
         owners = {id(p): m for m in self.modules() for p in m.parameters(recurse=False)}
+        tags = tags_by_param(self)
         for name, p in self.named_parameters():
             gen = torch.Generator().manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
-            module = owners[id(p)]
-            if hasattr(p, "init"):
-                p.copy_(p.init(p, gen))
+            module, p_tags = owners[id(p)], tags.get(id(p), {})
+            if "init" in p_tags:
+                p.copy_(p_tags["init"](p, gen))
             elif isinstance(module, nn.Conv1d):
                 bound = 1 / math.sqrt(p[0].numel())
                 p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
             elif isinstance(module, RMSNorm):
                 p.fill_(1.0)
             elif p.ndim >= 2:
-                output = getattr(p, "is_output_proj", False) or getattr(module, "is_output_proj", False)
-                p.copy_(torch.randn(p.shape, generator=gen) * std * (out_scale if output else 1.0))
+                scale = out_scale if p_tags.get("output_proj") else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * std * scale)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

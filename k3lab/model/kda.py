@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
 from kernels.kda import kda
+from k3lab.model.tags import tag
 
 
 def _uniform_log(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
@@ -64,7 +65,7 @@ class KDA(nn.Module):
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, H * K, bias=False)
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            proj.weight.head_blocks = H  # per-head Muon (K3 §2.5) splits these rows by head
+            tag(proj, "weight", head_blocks=H)  # per-head Muon (K3 §2.5) splits these rows by head
         self.q_conv, self.k_conv, self.v_conv = (ShortConv(H * K, cfg.conv_size) for _ in range(3))
         self.f_down = nn.Linear(D, K, bias=False)
         self.f_up = nn.Linear(K, H * K, bias=False)
@@ -72,12 +73,12 @@ class KDA(nn.Module):
         self.g_proj = nn.Linear(D, H * K, bias=False)
         self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
-        self.o_proj.is_output_proj = True
+        tag(self.o_proj, "weight", output_proj=True)
         self.A_log = nn.Parameter(torch.zeros(H))  # sigmoid map: A_h = 0 at init (K3)
         if cfg.decay.name == "softplus":
-            self.A_log.init = partial(_uniform_log, low=cfg.decay.a_init_min, high=cfg.decay.a_init_max)
+            tag(self, "A_log", init=partial(_uniform_log, low=cfg.decay.a_init_min, high=cfg.decay.a_init_max))
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
-        self.dt_bias.init = partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max)
+        tag(self, "dt_bias", init=partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max))
 
     def log_decay(self, z: torch.Tensor) -> torch.Tensor:
         """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0)."""

@@ -11,6 +11,7 @@ from torch import nn
 
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
+from k3lab.model.tags import tag
 
 
 class GatedMLA(nn.Module):
@@ -26,10 +27,10 @@ class GatedMLA(nn.Module):
         self.k_up = nn.Linear(r, H * d, bias=False)
         self.v_up = nn.Linear(r, H * d, bias=False)
         for proj in (self.q_proj, self.k_up, self.v_up):
-            proj.weight.head_blocks = H  # per-head Muon (K3 §2.5) splits these rows by head
+            tag(proj, "weight", head_blocks=H)  # per-head Muon (K3 §2.5) splits these rows by head
         self.g_proj = nn.Linear(D, H * d, bias=False)
         self.o_proj = nn.Linear(H * d, D, bias=False)
-        self.o_proj.is_output_proj = True
+        tag(self.o_proj, "weight", output_proj=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

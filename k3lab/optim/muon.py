@@ -14,11 +14,12 @@ update, so Muon can share AdamW's learning rate and weight decay (Moonlight §2.
 Which matrix is orthogonalised:
 - a 2-D weight [rows, cols]: the whole matrix;
 - a 3-D weight [E, rows, cols] (stacked MoE experts): each expert slice, batched;
-- a 2-D weight carrying ``head_blocks = H`` (set by the model on Q/K/V projections, shape [H*dh, D])
-  in a group with ``per_head=True``: each head's row block [dh, D], batched, with the scale taken from
+- a 2-D weight whose ``head_blocks`` entry in its group is H (the model tags its Q/K/V projections,
+  shape [H*dh, D]; k3lab/model/tags.py) in a group with ``per_head=True``: each head's row block
+  [dh, D], batched, with the scale taken from
   the block's shape. This is the per-head Muon of Kimi K3 §2.5 (arXiv:2607.24653): each head's
   projection gets its own orthogonal update instead of sharing one spectrum with the other heads.
-  With ``per_head=False`` the attribute is ignored.
+  With ``per_head=False`` the entry is ignored.
 
 Groups with ``use_muon=False`` are stepped with AdamW (decoupled weight decay, bias correction; the
 same arithmetic as torch.optim.AdamW), so one optimizer and one LR scheduler drive the whole model.
@@ -90,10 +91,12 @@ class Muon(torch.optim.Optimizer):
     """Muon for hidden matrices, AdamW for the rest (see the module docstring for the maths).
 
     Each param group must say ``use_muon``. Muon groups read lr, weight_decay, momentum, nesterov,
-    ns_steps, per_head, and head_blocks (one int per parameter, 0 = none; taken from the parameters'
-    ``head_blocks`` attributes when absent); AdamW groups read lr, weight_decay, betas, eps.
+    ns_steps, per_head, and head_blocks (one int per parameter, 0 = none, the default; the model's
+    `head_blocks` tags, k3lab/model/tags.py, filled in by k3lab/optim/build.py); AdamW groups read lr,
+    weight_decay, betas, eps.
     Defaults fill missing keys.
-    Gradient clipping is not done here: the trainer clips (Lightning ``gradient_clip_val``) before step.
+    Gradient clipping is not done here: K3LitModule.configure_gradient_clipping clips to
+    ``optim.grad_clip`` before each step.
     """
 
     def __init__(self, param_groups, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
@@ -110,9 +113,10 @@ class Muon(torch.optim.Optimizer):
                     if p.ndim not in (2, 3):
                         raise ValueError(f"Muon group holds a parameter of shape {tuple(p.shape)}; "
                                          "only 2-D or 3-D (stacked expert) weights belong in Muon groups")
-                # Read `head_blocks` once, here: the attribute lives on the Parameter object and a
-                # deepcopy of the model drops it; the group (and so the checkpoint) keeps the list.
-                group.setdefault("head_blocks", [int(getattr(p, "head_blocks", 0) or 0) for p in group["params"]])
+                group.setdefault("head_blocks", [0] * len(group["params"]))
+                if len(group["head_blocks"]) != len(group["params"]):
+                    raise ValueError(f"head_blocks has {len(group['head_blocks'])} entries for "
+                                     f"{len(group['params'])} parameters in a Muon group")
 
     @torch.no_grad()
     def step(self, closure=None):
