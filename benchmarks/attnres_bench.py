@@ -33,7 +33,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -45,16 +44,13 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
-if __package__ in (None, ""):  # run as a script: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from k3lab.config import GLUConfig, ModelConfig, ResidualConfig  # noqa: E402
-from k3lab.model import attnres  # noqa: E402
-from k3lab.model.ffn import GLU  # noqa: E402
-from k3lab.model.norm import RMSNorm  # noqa: E402
-from k3lab.model.residual import build_residual  # noqa: E402
-from kernels.bench import saved_bytes  # noqa: E402
-from kernels.device import sm_count  # noqa: E402
+from benchmarks.kda_bench import saved_bytes
+from k3lab.config import GLUConfig, ModelConfig, ResidualConfig
+from k3lab.model import attnres
+from k3lab.model.ffn import GLU
+from k3lab.model.norm import RMSNorm
+from k3lab.model.residual import build_residual
+from kernels.device import sm_count
 
 
 # --- a stand-in stack (used when K3Model is unavailable, or with --model standin) -------------------
@@ -453,7 +449,7 @@ def print_table(rows: dict, cols: list[tuple[str, str, bool]]) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attnres_bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", default="auto", choices=["auto", "k3", "standin"])
     p.add_argument("--layers", type=int, default=None, help="default: 4 on CPU, 12 on CUDA")

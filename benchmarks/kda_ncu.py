@@ -1,27 +1,23 @@
 """One forward+backward of the Triton KDA kernels between profiler start and stop, for Nsight Compute.
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \\
-        --section WarpStateStats python benchmarks/kda_ncu.py [--shape 4,4096,16,128,128] [--decay sigmoid]
+        --section WarpStateStats python -m benchmarks.kda_ncu [--shape 4,4096,16,128,128] [--decay sigmoid]
 
 Two warm-up calls first (kernel compilation), so that ncu sees each kernel of one call once, at the
-given shape (bf16, gate, q/k L2 norm and beta sigmoid in the call, as ``kernels.bench``).
+given shape (bf16, gate, q/k L2 norm and beta sigmoid in the call, as ``benchmarks.kda_bench``).
+Writes no file itself: ncu prints the report (or saves it with its own ``-o``).
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.bench import make_inputs, run_ours  # noqa: E402
+from benchmarks.kda_bench import make_inputs, run_ours
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_ncu", description=__doc__.split("\n")[0])
     p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 4096, 16, 128, 128),
                    help="B,T,H,K,V")
     p.add_argument("--decay", choices=["sigmoid", "softplus"], default="sigmoid")

@@ -1,15 +1,15 @@
 """The KDA kernel inside real training: same loss curve as the plain path, and the step time it buys.
 
-    python benchmarks/kda_train_check.py                        # GPU: model=small, trainer=gpu, 50 steps
-    python benchmarks/kda_train_check.py --backends torch,triton,fla --seq 2048
-    python benchmarks/kda_train_check.py --backends torch,triton,triton trainer.deterministic=true
+    python -m benchmarks.kda_train_check                        # GPU: model=small, trainer=gpu, 50 steps
+    python -m benchmarks.kda_train_check --backends torch,triton,fla --seq 2048
+    python -m benchmarks.kda_train_check --backends torch,triton,triton trainer.deterministic=true
 
 Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and
 config (everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``,
 which with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the
 per-step training loss of each run with the first one (the plain PyTorch chunkwise path by default)
 and the median step time over the steps after ``--skip`` (kernel compilation and autotuning happen in
-the first steps). Prints a table and writes it to ``--out``.
+the first steps). Prints a table, and writes it to ``--out PATH`` only when given.
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from k3lab.rundir import read_metrics
 
-from k3lab.rundir import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(backend: str, label: str, args) -> Path:
@@ -51,7 +50,7 @@ def losses_step_ms_memory(run_dir: Path, tokens_per_step: int, skip: int) -> tup
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_train_check", description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="torch,triton", help="comma-separated; the first is the reference")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="steps left out of the step-time median")
@@ -60,7 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out-dir", default="runs")
-    p.add_argument("--out", default=None, help="markdown file for the table")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("overrides", nargs="*", help="extra run.py overrides, applied to every backend")
     args = p.parse_args(argv)
 
@@ -93,6 +92,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines + curve) + "\n"
     print(text, flush=True)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
 
 

@@ -1,13 +1,13 @@
 """Search the launch configurations of the Triton KDA kernels (``kernels.kda.triton_fwd.LAUNCH``) on a GPU.
 
-    python benchmarks/kda_tune.py [--shape 4,4096,16,128,128] [--reps 10] [--budget-s 300]
-    python benchmarks/kda_tune.py --budget-s 0 --set output.BV=128 --set output.num_warps=8   # time one table
+    python -m benchmarks.kda_tune [--shape 4,4096,16,128,128] [--reps 10] [--budget-s 300]
+    python -m benchmarks.kda_tune --budget-s 0 --set output.BV=128 --set output.num_warps=8   # time one table
 
 Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
 warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
 before moving on if it beats the current time by more than --min-gain (run-to-run spread is 1-2%).
 The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2 norm and beta
-sigmoid in the call; median of CUDA-event timings after warm-up, as ``kernels.bench``).
+sigmoid in the call; median of CUDA-event timings after warm-up, as ``benchmarks.kda_bench``).
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result up to summation order.
 Prints each trial as it lands, then the tuned table and both decay maps timed with the starting and the
@@ -20,30 +20,25 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-if __package__ in (None, ""):  # run as a script: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.bench import make_inputs, run_fla, run_ours, time_ms  # noqa: E402
-from kernels.kda import triton_fwd  # noqa: E402
+from benchmarks.kda_bench import make_inputs, run_fla, run_ours, time_ms
+from kernels.kda import triton_fwd
 
 # candidate values per kernel and option (the current value is always among those tried)
 GRID = {
     "bwd_local_v": dict(BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
     "bwd_local_kv": dict(BKS=[32, 64], BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2]),
     # operands take dO's dtype: with bf16, 3 stages fit at BV=64 (205 KB of shared memory); with float32
-    # (fp32 inputs) 2 stages need 262144 B (232448 available), and a float32 trial at BV=16 once made an
-    # illegal memory access (logs/kda_tune_h200_bwd_state_T16384_crash.txt)
+    # (fp32 inputs) 2 stages need 262144 B (232448 available), and float32 operands at BV=16 made an
+    # illegal memory access on the H200 under Triton 3.6
     "bwd_state": dict(BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2, 3]),
     "bwd_local_k": dict(RB=[16, 32, 64], num_warps=[4, 8, 16]),
-    # no 8 warps: with BV=16 they made an illegal memory access on the H200 under Triton 3.6, which ends the
-    # process (logs/kda_tune_h200_T16384_crash.txt); at BV=64 they were no faster than 4 (round 3)
+    # no 8 warps: with BV=16 they make an illegal memory access on the H200 under Triton 3.6, which ends the
+    # process; at BV=64 they are no faster than 4
     "state": dict(BV=[16, 32, 64], num_warps=[2, 4], num_stages=[1, 2, 3]),
     "wy": dict(BKS=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[1, 2, 3]),
     "intra": dict(BKS=[16, 32, 64], num_warps=[2, 4, 8]),
@@ -108,7 +103,7 @@ def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID)) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_tune", description=__doc__.split("\n")[0])
     p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 4096, 16, 128, 128),
                    help="B,T,H,K,V")
     p.add_argument("--reps", type=int, default=10)

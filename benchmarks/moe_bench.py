@@ -1,7 +1,7 @@
 """MoE layer forward+backward: grouped-matmul dispatch vs a per-expert Python loop.
 
-    python benchmarks/moe_bench.py                      # CUDA, bf16, 64-256 experts, top-8
-    python benchmarks/moe_bench.py --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
+    python -m benchmarks.moe_bench                      # CUDA, bf16, 64-256 experts, top-8
+    python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
 Both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent projections);
 only the expert matmuls differ: `grouped` = three torch._grouped_mm calls over all experts, `loop` =
@@ -83,7 +83,8 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.moe_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")

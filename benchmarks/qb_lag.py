@@ -1,6 +1,6 @@
 """Why does Quantile Balancing's MaxVio lag? Split the next step's imbalance into its causes.
 
-    OMP_NUM_THREADS=1 python benchmarks/qb_lag.py --out qb_lag.jsonl train.max_steps=150 group=qb_lag
+    OMP_NUM_THREADS=1 python -m benchmarks.qb_lag --out qb_lag.jsonl train.max_steps=150 group=qb_lag
 
 Trains like ``run.py`` (same overrides) with a probe that, after every optimizer step and the bias
 update it triggers, re-routes the step's own batch, per MoE layer. With S the router scores of the
@@ -15,27 +15,25 @@ b* the fixed point of that update on S (iterated 50 times):
     drift_input   MaxVio(s(x' W), b*)      the old weights on the new inputs x' (the residual stream moved)
     next_fixed    MaxVio(S_next, b*)       the next step's batch with this step's b*
 
-(MaxVio = max_j load_j / mean load - 1, arXiv:2408.15664; means over the MoE layers). One JSON row per
-step goes to --out; means over four step ranges are printed at the end.
+(MaxVio = max_j load_j / mean load - 1, arXiv:2408.15664; means over the MoE layers). Means over four
+step ranges are printed at the end; with ``--out PATH`` one JSON row per step also goes to PATH.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from k3lab.model.moe import MoE
+from k3lab.model.router import QuantileBalance, expert_load, max_violation, route
+from k3lab.train import train
 
-from k3lab.model.moe import MoE  # noqa: E402
-from k3lab.model.router import QuantileBalance, expert_load, max_violation, route  # noqa: E402
-from k3lab.train import train  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 KEYS = ["actual", "own_update", "own_fixed", "drift_both", "drift_router", "drift_input", "next_fixed"]
 
@@ -55,7 +53,7 @@ class QBLagProbe(Callback):
     """Records, per MoE router, the inputs, scores, bias and weights of its last forward (hooks), and
     after each training step computes the quantities of the module docstring."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path | None = None):
         self.out, self.rows, self.last, self.prev_fixed = out, [], {}, {}
 
     def on_fit_start(self, trainer, pl_module):
@@ -92,8 +90,9 @@ class QBLagProbe(Callback):
             self.prev_fixed[router] = b_star
         row.update({key: statistics.mean(v) for key, v in values.items() if v})
         self.rows.append(row)
-        with open(self.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.out is not None:
+            with open(self.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
     def summary(self) -> str:
         """Means over four equal step ranges, as a markdown table."""
@@ -111,11 +110,13 @@ class QBLagProbe(Callback):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("qb_lag.jsonl"))
+    p = argparse.ArgumentParser(prog="python -m benchmarks.qb_lag", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, metavar="PATH", help="also write one JSON row per step to PATH")
     p.add_argument("overrides", nargs="*", help="run.py overrides (default model, balance=qb)")
     args = p.parse_args(argv)
-    args.out.unlink(missing_ok=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.unlink(missing_ok=True)
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=args.overrides)
     probe = QBLagProbe(args.out)

@@ -15,9 +15,9 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
 - backward, two kernels: ``_mix_bwd_scores`` reads g_h and each source once (giving g_alpha_i =
   <g_h, v_i> and d_i into [S, N] buffers, and g_q, below);
   ``_mix_bwd_values`` reads g_h again and writes g_v_i = alpha_i g_h + g_logit_i r_i q without reading
-  v_i. The per-source row scalars cross between the passes through global memory at a kernel boundary:
-  kept in a [BT, S] register tile (an earlier version) their per-source selects made some launch shapes
-  many times slower, and passed through memory inside one kernel they raced with the loop pipelining.
+  v_i. The per-source row scalars cross between the passes through global memory at a kernel boundary
+  (not a [BT, S] register tile, whose per-source selects make some launch shapes many times slower, nor
+  memory inside one kernel, where the hand-off races with the loop pipelining).
   g_q = sum_i v_i^T (g_logit_i r_i) is accumulated in the first pass's single read as
   sum_i a_i r_i (g_alpha_i v_i) - c sum_i a_i r_i v_i, per program over a grid-stride loop of row
   blocks, and the per-program partial sums [n_programs, D] are added in torch.
@@ -38,10 +38,10 @@ from .device import sm_count
 MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
 MAX_D = 8192
 # Launch shape: one token row per program, 16 elements of it per thread, and 16 programs per SM for the
-# backward's grid-stride loop. On the H200 (D = 1024, 1 to 10 sources, `attnres_bench --tune`; log in
-# benchmarks/logs/attnres_tune_h200.txt) this was within 2% of the best shape tried for 4 to 10 sources
-# and within 0.02 ms of it for 1 to 3, measured on the one-kernel backward of commit 015483c; the
-# two-kernel backward that replaced it does the same per-row work and has not been re-tuned.
+# backward's grid-stride loop. On the H200 (D = 1024, 1 to 10 sources,
+# `python -m benchmarks.attnres_bench --device cuda --tune`, commit 015483c, whose one-kernel backward did
+# the same per-row work as the two kernels here) it is within 2% of the best shape tried for 4 to 10
+# sources and within 0.02 ms of it for 1 to 3; the two-kernel backward is not tuned separately.
 ELEMENTS_PER_THREAD = 16
 PROGRAMS_PER_SM = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

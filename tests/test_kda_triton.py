@@ -73,7 +73,7 @@ def _run_checks() -> dict:
     out["chunk_flags_half_saturated"] = saved["Safe"].tolist()
     # the benchmark's softplus cases: typical gates stay in the tensor-core range, the fast-forgetting
     # channel puts every chunk past it
-    from kernels.bench import make_inputs as bench_inputs
+    from benchmarks.kda_bench import make_inputs as bench_inputs
 
     for case in ("softplus", "softplus-fast"):
         q, k, v, z, bl, A_log, dt_bias = [x.detach() for x in bench_inputs(1, 256, 2, 16, 16, case, "cpu", torch.float32)]
@@ -150,7 +150,7 @@ def _run_checks() -> dict:
     # (bitwise), and the saved tensors shrink by exactly the chunk states Hs [B, H, NT, K, V] fp32
     inputs = [x.float() for x in make_inputs(1, 150, 2, 32, 16, "moderate", seed=13)]
 
-    from kernels.bench import saved_bytes
+    from benchmarks.kda_bench import saved_bytes
 
     kept_bytes, kept = saved_bytes(lambda: outputs_and_grads(kda_triton, inputs))
     recomputed_bytes, recomputed = saved_bytes(
@@ -235,7 +235,7 @@ def test_unbounded_gate_picks_the_split_per_chunk(results):
 
 
 def test_bench_softplus_cases_take_the_paths_they_claim(results):
-    """kernels.bench: the typical softplus gates leave every chunk on the tensor-core split; the
+    """benchmarks.kda_bench: the typical softplus gates leave every chunk on the tensor-core split; the
     softplus-fast case (one fast-forgetting channel per head) sends every chunk to the exact kernels."""
     assert results["bench_chunk_flags_softplus"] == [1] * 8
     assert results["bench_chunk_flags_softplus-fast"] == [0] * 8

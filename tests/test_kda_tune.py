@@ -1,21 +1,16 @@
-"""``benchmarks/kda_tune.py --set``: a launch option changes only the named entry; bad input names the valid
-choices."""
+"""``python -m benchmarks.kda_tune --set``: a launch option changes only the named entry; bad input names
+the valid choices."""
 import copy
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("kda_tune", ROOT / "benchmarks" / "kda_tune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import kda_tune
+
+    return kda_tune
 
 
 def test_set_changes_only_the_named_option(tune):

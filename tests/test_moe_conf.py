@@ -1,7 +1,5 @@
 """The `moe` and `balance` config groups match their dataclasses, and the MoE benchmark script runs."""
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,10 +35,8 @@ def test_moe_options_on_the_tiny_model(option, experts, top_k, width):
 
 
 def test_benchmark_runs_on_cpu():
-    spec = importlib.util.spec_from_file_location("moe_bench", ROOT / "benchmarks" / "moe_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["moe_bench"] = bench   # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    from benchmarks import moe_bench as bench
+
     rows = bench.main(["--device", "cpu", "--small", "--iters", "1", "--warmup", "0"])
     assert {r["dispatch"] for r in rows} >= {"loop"}
     assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)

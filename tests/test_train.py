@@ -137,11 +137,10 @@ def test_ddp_on_two_cpu_processes_equals_one_process_with_the_doubled_batch(corp
 
 
 def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
-    """benchmarks/qb_lag.py rides along as a callback: the run's curve is bit-identical to a plain run, its
+    """benchmarks.qb_lag rides along as a callback: the run's curve is bit-identical to a plain run, its
     `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
     well as one K3 update."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from qb_lag import QBLagProbe
+    from benchmarks.qb_lag import QBLagProbe
 
     args = overrides(corpus, tmp_path, "train.max_steps=4", "train.val_every=4")
     plain = run_inprocess([*args, "run_name=plain"])

@@ -2,7 +2,7 @@
 
 By default the forward stores the chunk-entry states S_n and delta for the backward; with
 ``recompute_states`` it keeps U instead and the backward reruns the sequential ``_state`` pass (less
-memory for one more pass: benchmarks/RESULTS_kda.md). Per chunk, with dS' the gradient of the state
+memory for one more pass: benchmarks/RESULTS.md). Per chunk, with dS' the gradient of the state
 leaving the chunk and Kd = K * e^{G_last - G}:
 
     d delta = P^T dO + Kd dS'           (``_bwd_state_prep`` per chunk, then ``_bwd_state``, reverse pass)

@@ -42,8 +42,8 @@ SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
 # Launch configuration per kernel (V-block width BV where the kernel tiles V, key-slice width BKS where
 # it slices K, rows per program RB where it splits a chunk's rows, warps, pipeline stages).
 # Every choice computes the same result up to float summation order (key slices add their parts in
-# another order); only speed differs. Found by `python benchmarks/kda_tune.py` on one H200 at B=4,
-# T=4096, H=16, K=V=128 (log and numbers in benchmarks/RESULTS_kda.md).
+# another order); only speed differs. Found by `python -m benchmarks.kda_tune` on one H200 at B=4,
+# T=4096, H=16, K=V=128 (figures in benchmarks/RESULTS.md).
 LAUNCH = {
     "intra": dict(BKS=32, num_warps=4),
     "wy": dict(BKS=32, num_warps=2, num_stages=3),
@@ -541,9 +541,8 @@ def one_wave_block(widest: int, V: int, rows: int, sms: int) -> int:
     of widest, widest / 2, ... 16 whose grid still fits one program per SM, else widest. Each step of the
     pass is latency-bound, so a narrower block shortens every step as long as no program waits for an SM.
     Used by the forward ``_state`` and the reverse ``_bwd_state``. On the H200 (132 SMs, K = V = 128)
-    this keeps 64 at B x H = 64 (32 was slower: 6.85 vs 6.61 ms forward+backward) and picks 16 at
-    B x H = 16, for ``_state`` (9.00 ms vs 9.34 for 64) and ``_bwd_state`` (8.74 -> 7.73 ms; logs in
-    benchmarks/logs)."""
+    this keeps 64 at B x H = 64 and picks 16 at B x H = 16, the faster choice at each (measured:
+    benchmarks/RESULTS.md, KDA)."""
     bv = widest
     while bv > 16 and triton.cdiv(V, bv // 2) * rows <= sms:
         bv //= 2

@@ -1,4 +1,8 @@
-"""Kernel benchmarks: ``python -m kernels.bench kda [--check] [--out benchmarks/RESULTS_kda.md]``.
+"""KDA kernels: our Triton forward+backward against fla's ``chunk_kda``, with accuracy and a profile.
+
+    python -m benchmarks.kda_bench --check --profile          # the two default shapes, every gate case
+    python -m benchmarks.kda_bench --reps 20 --no-torch-path --check --profile --out kda_bench.md
+    python -m benchmarks.kda_bench --decay sigmoid --shape 4,4096,16,128,128 --no-fla --recompute
 
 For each shape and gate case (sigmoid; softplus; softplus with a fast-forgetting channel, see CASES)
 it times, in bf16 with the gate, the q/k L2 norm and the beta sigmoid folded into the call: our Triton
@@ -10,7 +14,8 @@ are timed with CUDA events: warm-up, then the median of ``--reps`` runs, cycling
 fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors of our kernel against
 the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
 breakdown (after the timing, so that kernel compilation and autotuning are done once, by the first
-timed shape's warm-up). The markdown table goes to ``--out``.
+timed shape's warm-up). The markdown tables (with the command, commit, date and device) go to the
+terminal, and to ``--out PATH`` only when it is given.
 """
 from __future__ import annotations
 
@@ -186,6 +191,8 @@ def _errors(xs, h0, o, ht, decay):
 
 
 def bench_kda(args):
+    from k3lab.rundir import git_revision
+
     device = "cuda"
     have_fla = True
     try:
@@ -198,8 +205,8 @@ def bench_kda(args):
 
     env = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
            + (f", fla-core {__import__('fla').__version__}" if have_fla else ", fla-core not installed"))
-    lines += ["# KDA kernel benchmark", "", f"Measured {stamp} on {env}.", "",
-              f"Command: `{' '.join(['python -m kernels.bench'] + sys.argv[1:])}`", ""]
+    lines += ["# KDA kernel benchmark", "", f"Measured {stamp} on {env}, commit {git_revision() or 'unknown'}.", "",
+              f"Command: `{' '.join(['python -m benchmarks.kda_bench'] + sys.argv[1:])}`", ""]
     shown = 0
 
     def flush():
@@ -261,11 +268,10 @@ def bench_kda(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kernels.bench")
-    p.add_argument("kernel", choices=["kda"])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_bench", description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="bf16 accuracy against the float64 reference (after the timing)")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", default="benchmarks/RESULTS_kda.md")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the markdown tables to PATH")
     p.add_argument("--profile", action="store_true",
                    help="print a per-kernel CUDA time breakdown of forward+backward at the first shape "
                         "(ours, and fla's unless --no-fla)")
@@ -273,7 +279,7 @@ def main(argv=None):
     p.add_argument("--no-torch-path", dest="torch_path", action="store_false",
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
-                   help="B,T,H,K,V (repeatable); default: the two issue shapes")
+                   help="B,T,H,K,V (repeatable); default: 4,4096,16,128,128 and 1,16384,16,128,128")
     p.add_argument("--recompute", action="store_true",
                    help="also time ours with recompute_states (chunk states recomputed in the backward)")
     p.add_argument("--decay", dest="cases", action="append", choices=list(CASES),

@@ -1,0 +1,16 @@
+"""k3lab benchmarks. Each is a module run from the repo root as ``python -m benchmarks.<name> ...``
+(``--help`` lists its options); each prints its table to the terminal and writes a file only when
+given ``--out PATH``. Measured tables, with command, commit, date and machine: ``benchmarks/RESULTS.md``.
+
+- ``kda_bench``: KDA kernels, forward and forward+backward time of ours vs fla's ``chunk_kda``, the
+  plain PyTorch path and causal SDPA; ``--check`` bf16 accuracy, ``--profile`` per-kernel GPU time.
+- ``kda_tune``: searches the KDA kernels' launch table (``kernels.kda.triton_fwd.LAUNCH``), or times
+  one given table against fla.
+- ``kda_ncu``: one forward+backward of the KDA kernels for Nsight Compute
+  (``ncu ... python -m benchmarks.kda_ncu``).
+- ``kda_train_check``: KDA inside training, the loss curve and step time of each ``kernels.backend``.
+- ``attnres_bench``: residual options (standard, block and full AttnRes), step time and activation
+  memory; ``--profile`` and ``--tune`` for the fused mix kernels.
+- ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop.
+- ``qb_lag``: trains with a probe that splits Quantile Balancing's MaxVio into its causes.
+"""
