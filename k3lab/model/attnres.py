@@ -25,7 +25,7 @@ a Python list, and the op is one autograd.Function with a written-out backward t
 references to the sources (alive anyway), alpha and the raw scores [S, B, T], never a stacked
 [S, B, T, D] copy per op. The softmax over depth runs in fp32; the mix accumulates in fp32 and returns
 the sources' promoted dtype. On CUDA the same op runs as fused Triton kernels (kernels/attnres.py: one
-read of each source forward, one backward). Measurements: docs/attnres.md, benchmarks/attnres_bench.py.
+read of each source forward, one backward). Measurements: docs/attnres.md, `python -m benchmarks.attnres_bench`.
 """
 from __future__ import annotations
 
