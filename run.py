@@ -4,6 +4,8 @@
     python run.py decay=softplus glu=swiglu seed=1  # flip switches
     python run.py -m decay=sigmoid,softplus seed=0,1,2 group=decay   # a sweep (one run directory each)
     python run.py resume=last                       # continue the most recent killed run
+    python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
+                                                    # completed runs and resumes killed or failed ones
 
 Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md).
 """
@@ -13,11 +15,11 @@ from omegaconf import DictConfig
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> dict:
     from k3lab.train import train  # imported here so `--help` and config errors come back fast
 
     summary = train(cfg, overrides=HydraConfig.get().overrides.task)
-    return summary.get("loss_val_final")
+    return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ so a resumed run continues the same axes).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -122,12 +123,12 @@ def now_iso() -> str:
 class Summary:
     """summary.json: written with status 'running' at start, updated in place, finalised at the end."""
 
-    def __init__(self, run_dir: Path, fields: dict[str, Any]):
+    def __init__(self, run_dir: Path, fields: dict[str, Any], elapsed_s: float = 0.0):
+        """elapsed_s: wall time the run already spent before this process (a resume), so wall_time_s adds up."""
         self.path = Path(run_dir) / "summary.json"
-        previous = json.loads(self.path.read_text()) if self.path.exists() else {}
-        self.data = {**previous, **fields, "status": "running", "error": None}
+        self.data = {**read_summary(run_dir), **fields, "status": "running", "error": None}
         self.data.setdefault("started_at", now_iso())
-        self.t0 = time.time() - self.data.get("wall_time_s", 0.0)
+        self.t0 = time.time() - elapsed_s
         self.write()
 
     def update(self, **fields: Any) -> None:
@@ -144,11 +145,15 @@ class Summary:
 
 
 # --- where a run lives: naming, resuming, the metrics mirror --------------------------------------
-def default_run_name(overrides: list[str]) -> str:
-    """'decay=softplus seed=1' -> 'decay=softplus,seed=1'; no overrides -> 'k3'."""
+def default_run_name(overrides: list[str], max_len: int = 120) -> str:
+    """'decay=softplus seed=1' -> 'decay=softplus,seed=1'; no overrides -> 'k3'. A name longer than
+    max_len keeps its first characters and ends in a hash of the whole name (file systems cap names at 255)."""
     skip = ("resume=", "out_dir=", "group=", "run_name=", "overwrite=", "trainer=", "logger=", "sweep=", "hydra")
     kept = sorted(o for o in overrides if not o.startswith(skip))
-    return re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(kept)) or "k3"
+    name = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(kept)) or "k3"
+    if len(name) > max_len:
+        name = f"{name[:max_len - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return name
 
 
 def find_resume_dir(cfg: DictConfig) -> Path:
@@ -163,33 +168,107 @@ def find_resume_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
-def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, Path, Path | None]:
-    """Returns (config to use, run directory, checkpoint to resume from or None)."""
+class RunDirBusy(RuntimeError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunPlan(NamedTuple):
+    """What `prepare_run_dir` decided: the config to train, where, and how to start."""
+    cfg: DictConfig
+    run_dir: Path
+    ckpt_path: Path | None   # resume from this checkpoint, or None to start from step 0
+    action: str              # "new" | "resume" | "restart" (a failed or dead run with no checkpoint) | "skip"
+    previous: dict           # the summary.json found in the directory ({} if none)
+
+
+def read_summary(run_dir: Path) -> dict:
+    """summary.json of `run_dir`, or {} when it is missing or unreadable."""
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+_LOCKS: dict[Path, Any] = {}  # run directory -> the open lock file this process holds until it exits
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive advisory lock (flock on <run_dir>/.lock, pid inside) for this process's life, so two
+    processes never train into one directory; a process that dies releases it with its file descriptors."""
+    import fcntl
+
+    path = Path(run_dir).resolve()
+    if path in _LOCKS:
+        return
+    f = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RunDirBusy(f"run directory {run_dir} is in use by another process (pid {holder}); "
+                         f"wait for it, or pass run_name=<new name>") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS[path] = f
+
+
+def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
+    """Decide how this run starts, from what its directory holds, so the same command can be run again:
+
+        nothing there, or overwrite=true        new       start at step 0 (overwrite clears the old files)
+        summary says completed                  skip      nothing to do
+        a checkpoint (killed, failed, running)  resume    continue from checkpoints/last.ckpt
+        failed or dead before any checkpoint    restart   start at step 0 again
+
+    `resume=<dir>` or `resume=last` names the directory instead and requires a checkpoint. A directory
+    whose lock a live process holds raises RunDirBusy. Under DDP every rank takes the same decision from
+    the same files; only rank 0 locks and writes."""
     if cfg.resume:
         run_dir = find_resume_dir(cfg)
         saved = OmegaConf.load(run_dir / "config.yaml")
-        return saved, run_dir, run_dir / "checkpoints" / "last.ckpt"
+        if rank_zero_only.rank == 0:
+            lock_run_dir(run_dir)
+        return RunPlan(saved, run_dir, run_dir / "checkpoints" / "last.ckpt", "resume", read_summary(run_dir))
     run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    previous = read_summary(run_dir)
+    if cfg.overwrite:
+        action = "new"
+    elif previous.get("status") == "completed":
+        action = "skip"
+    elif ckpt.exists():
+        action = "resume"
+    else:
+        action = "restart" if previous else "new"
     if rank_zero_only.rank != 0:  # a DDP worker that Lightning started from this script: rank 0 owns the directory
-        return OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None
-    if (run_dir / "summary.json").exists() and not cfg.overwrite:
-        raise FileExistsError(f"run directory {run_dir} exists; pass resume={run_dir} to continue it, "
-                              f"overwrite=true to start it again, or run_name=<new name>")
-    if cfg.overwrite and run_dir.exists():
-        for name in ("metrics.jsonl", "metrics.csv", "summary.json", "checkpoints/last.ckpt"):
-            (run_dir / name).unlink(missing_ok=True)
+        if action == "resume":
+            return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
+        return RunPlan(OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None, action, previous)
+    if action == "skip":
+        return RunPlan(cfg, run_dir, None, action, previous)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(run_dir)
+    if action == "resume":
+        return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json", "checkpoints/last.ckpt"):
+        (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / "overrides.yaml")
-    return cfg, run_dir, None
+    return RunPlan(cfg, run_dir, None, action, previous)
 
 
-@rank_zero_only
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """On resume, drop lines logged after the checkpoint, so the resumed run continues one curve."""
+def truncate_metrics(run_dir: Path, last_step: int) -> float:
+    """On resume, drop lines logged after the checkpoint (rank 0 rewrites the file), so the resumed run
+    continues one curve. Returns the training time already spent (the last kept `time/elapsed_s`), from
+    which the resumed run's clocks continue."""
     rows = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if rank_zero_only.rank == 0:
+        atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    return max((r["time/elapsed_s"] for r in rows if r.get("time/elapsed_s") is not None), default=0.0)
 
 
 

@@ -16,7 +16,6 @@ import logging
 import resource
 import statistics
 import sys
-import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,46 +39,50 @@ from k3lab.switches import SWITCHES
 
 
 def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callback] = ()) -> dict:
-    """One run into its run directory; extra Lightning callbacks (probes) may ride along. Returns summary.json."""
+    """One run into its run directory; extra Lightning callbacks (probes) may ride along. Returns summary.json,
+    whose `outcome` says how this process started the run (new, resume or restart; skip when it found the
+    run completed and did nothing: see prepare_run_dir)."""
     quiet_lightning()
     deterministic_mode(cfg.trainer)  # a bad value fails here, before any run directory exists
-    cfg, run_dir, ckpt_path = prepare_run_dir(cfg, list(overrides))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    data_cfg: DataConfig = typed(DataConfig, cfg.data)
-    datamodule = K3DataModule(data_cfg, seed=cfg.seed)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-
-    model = K3Model(model_config(cfg, datamodule.vocab_size))
-    world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
-    tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
-    fpt = flops_per_token(model, data_cfg.seq_len)
-    module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
-                         tokens_per_step, fpt)
-
-    counts = model.param_counts()
-    summary = Summary(run_dir, {
-        "run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
-        "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name, "data": cfg.data.name,
-        "kernels": cfg.kernels.backend, "n_layers": model.cfg.n_layers, "d_model": model.cfg.width,
-        "seq_len": data_cfg.seq_len, "tokens_per_step": tokens_per_step, "max_steps": cfg.train.max_steps,
-        **counts, "flops_per_token": fpt, "unigram_entropy": datamodule.unigram_entropy(),
-        **environment(),
-    })
-    print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step)
-
-    trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                            datamodule.n_val_batches, callbacks)
-    start_step = 0
-    if ckpt_path is not None:
-        start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"]
-        truncate_metrics(run_dir, start_step)
-        module.elapsed_offset = summary.data.get("wall_time_s", 0.0)
-        rank_zero_only(print)(f"resuming {run_dir} from step {start_step}")
-    datamodule.set_start_step(start_step)
-
+    plan = prepare_run_dir(cfg, list(overrides))
+    if plan.action == "skip":
+        rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
+        return {**plan.previous, "outcome": "skip"}
+    cfg, run_dir, ckpt_path = plan.cfg, plan.run_dir, plan.ckpt_path
+    start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"] if ckpt_path else 0
+    elapsed = truncate_metrics(run_dir, start_step) if ckpt_path else 0.0
+    # from here on, any failure is recorded in summary.json
+    summary = Summary(run_dir, {"run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
+                                "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name,
+                                "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action},
+                      elapsed_s=elapsed)
+    known: dict = {}  # what final_fields needs, filled in as the parts are built
     try:
+        if ckpt_path:
+            rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
+                                  + (f" (it had {plan.previous['status']})" if plan.previous.get("status") else ""))
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        data_cfg: DataConfig = typed(DataConfig, cfg.data)
+        datamodule = K3DataModule(data_cfg, seed=cfg.seed)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+
+        model = K3Model(model_config(cfg, datamodule.vocab_size))
+        world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
+        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
+        fpt = flops_per_token(model, data_cfg.seq_len)
+        module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
+                             tokens_per_step, fpt)
+        module.elapsed_offset = elapsed
+        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt)
+        summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
+                       tokens_per_step=tokens_per_step, max_steps=cfg.train.max_steps, **known["counts"],
+                       flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
+        print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
+
+        trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
+                                datamodule.n_val_batches, callbacks)
+        datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -87,13 +90,10 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
             trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
-        summary.finish("failed", error=f"{type(err).__name__}: {err}",
-                       **final_fields(run_dir, counts, tokens_per_step, fpt))
+        summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
         write_metrics_csv(run_dir)
-        if not isinstance(err, KeyboardInterrupt):
-            traceback.print_exc()
         raise
-    summary.finish("completed", **final_fields(run_dir, counts, tokens_per_step, fpt))
+    summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
     if module.last_depth:
@@ -151,8 +151,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
     )
 
 
-def final_fields(run_dir: Path, counts: dict, tokens_per_step: int, fpt: float) -> dict:
-    """The summary.json fields known at the end: length, FLOPs, speed, memory and the final losses."""
+def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int = 0, fpt: float = 0.0) -> dict:
+    """The summary.json fields known at the end: length, FLOPs, speed, memory and the final losses (a run
+    that failed before its model was built has only the losses and speed its metrics hold)."""
     rows = read_metrics(run_dir)
     val = [r["loss/val"] for r in rows if r.get("loss/val") is not None]
     train_loss = [r["loss/train"] for r in rows if r.get("loss/train") is not None]
@@ -162,7 +163,7 @@ def final_fields(run_dir: Path, counts: dict, tokens_per_step: int, fpt: float) 
     speeds = [r["speed/tokens_per_s"] for r in rows if r.get("speed/tokens_per_s")]
     return {
         "steps": steps, "tokens": tokens, "flops": tokens * fpt,
-        "flops_6nd": 6.0 * counts["params_active_non_embedding"] * tokens,
+        "flops_6nd": 6.0 * counts["params_active_non_embedding"] * tokens if counts else None,
         "tokens_per_s_median": statistics.median(speeds) if speeds else None,
         "peak_memory_mb": peak_memory_mb(),
         "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,
