@@ -5,8 +5,8 @@ Entry points:
   contract as ``kernels.kda.kda`` (g is the per-channel log-decay, <= 0). ``safe_gate=True`` promises
   g >= -5 (the K3 sigmoid map with g_min = -5) and unlocks tensor-core matmuls on the 16x16 diagonal
   sub-blocks; with ``safe_gate=False`` any g <= 0 is handled without overflow.
-- ``kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0, ...)``: the
-  fused-gate entry. It computes, on the way in, the decay map (sigmoid: g = g_min sigmoid(exp(A_h) z);
+- ``kda_gated(q, k, v, z, beta_logits, A_log, dt_bias, decay="sigmoid", g_min=-5.0, ...)``: the
+  fused-gate entry. It computes, on the way in, the decay map (sigmoid: g = g_min sigmoid(exp(A_h) (z + dt_bias));
   softplus: g = -exp(A_h) softplus(z + dt_bias)) inside the first kernel and its backward inside the
   last one, and the L2 norm of q and k (``use_qk_l2norm=True``) with beta = sigmoid(beta_logits) in one
   small prep kernel (float32 out; its backward in one kernel too). ``kda_gated_reference`` is the same
@@ -22,7 +22,6 @@ fp32 accumulation; the running state is fp32. The backward reads the chunk state
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .triton_bwd import kda_bwd, prep_bwd
 from .triton_fwd import dot_precision, kda_fwd, prep_fwd
@@ -32,8 +31,8 @@ GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
 
 class KDATritonFunction(torch.autograd.Function):
     """o, S_T = KDA(q, k, v, g, beta; S_0). With gate = "sigmoid"/"softplus", ``g`` holds the raw gate
-    input z (the map runs in the first kernel, its backward in the last) and A_log (and dt_bias for
-    softplus) get gradients. With ``fuse_prep``, q and k are raw (L2-normalised in a Triton kernel) and
+    input z (the map runs in the first kernel, its backward in the last) and A_log and dt_bias get
+    gradients. With ``fuse_prep``, q and k are raw (L2-normalised in a Triton kernel) and
     ``beta`` holds the logits (sigmoid in the same kernel)."""
 
     @staticmethod
@@ -86,15 +85,17 @@ def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                                    bool(recompute_states))
 
 
-def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0, scale=None,
+def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias, decay="sigmoid", g_min=-5.0, scale=None,
               initial_state=None, output_final_state=False, use_qk_l2norm=True, recompute_states=False):
     """KDA with the gate fused: q, k [B, T, H, K] raw (L2-normalised here when ``use_qk_l2norm``),
     v [B, T, H, V], z [B, T, H, K] the gate pre-activation, beta_logits [B, T, H], A_log [H],
-    dt_bias [H * K] (softplus only). decay="sigmoid" runs the bounded (tensor-core) path."""
+    dt_bias [H * K]. Log-decay (K3 eq. 5 / Kimi Linear): sigmoid g = g_min sigmoid(exp(A_h) (z + dt_bias)),
+    softplus g = -exp(A_h) softplus(z + dt_bias). decay="sigmoid" with g_min >= -5 runs the bounded
+    (tensor-core) path."""
     if decay not in ("sigmoid", "softplus"):
         raise ValueError(f"decay must be 'sigmoid' or 'softplus', got {decay!r}")
-    if decay == "softplus" and dt_bias is None:
-        raise ValueError("decay='softplus' needs dt_bias [H * K]")
+    if dt_bias is None:
+        raise ValueError("kda_gated needs dt_bias [H * K] (zeros for a gate without bias)")
     beta = beta_logits
     if not use_qk_l2norm:  # otherwise the prep kernel normalises q, k and applies the sigmoid (fp32)
         beta = torch.sigmoid(beta_logits.float())
@@ -102,25 +103,17 @@ def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_m
     if initial_state is not None:
         initial_state = initial_state.float()
     safe = decay == "sigmoid" and g_min >= -5.0
-    return KDATritonFunction.apply(q, k, v, z, beta, A_log, dt_bias if decay == "softplus" else None,
+    return KDATritonFunction.apply(q, k, v, z, beta, A_log, dt_bias,
                                    initial_state, float(scale), bool(output_final_state), safe, decay,
                                    float(g_min), bool(use_qk_l2norm), bool(recompute_states))
 
 
-def kda_gated_reference(q, k, v, z, beta_logits, A_log, dt_bias=None, decay="sigmoid", g_min=-5.0,
-                        scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=True,
-                        backend="torch"):
-    """Plain-PyTorch twin of :func:`kda_gated` (the gate map, norms and sigmoid as torch ops), then
-    ``kernels.kda.kda`` with the given backend."""
-    from . import kda
+def kda_gated_reference(q, k, v, z, beta_logits, A_log, dt_bias, decay="sigmoid", g_min=-5.0, scale=None,
+                        initial_state=None, output_final_state=False, use_qk_l2norm=True, backend="torch"):
+    """Plain-PyTorch twin of :func:`kda_gated`: the gate map, norms and sigmoid as torch ops
+    (``kernels.kda.gated_inputs``), then ``kernels.kda.kda`` with the given backend."""
+    from . import gated_inputs, kda
 
-    H, K = z.shape[-2], z.shape[-1]
-    a = A_log.exp().view(1, 1, H, 1)
-    if decay == "sigmoid":
-        g = g_min * torch.sigmoid(a * z)
-    else:
-        g = -a * F.softplus(z + dt_bias.view(1, 1, H, K))
-    if use_qk_l2norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    return kda(q, k, v, g, torch.sigmoid(beta_logits), scale=scale, initial_state=initial_state,
-               output_final_state=output_final_state, backend=backend)
+    q, k, g, beta = gated_inputs(q, k, z, beta_logits, A_log, dt_bias, decay, g_min, use_qk_l2norm)
+    return kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+               backend=backend)
