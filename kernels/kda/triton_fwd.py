@@ -569,6 +569,12 @@ def state_pass(Kd, W, U, G, h0, prec, output_final_state):
     return Hs, Dl, ht
 
 
+def check_head_dim(K: int) -> None:
+    """Raise ValueError for a head dimension the kernels do not support (K > 128)."""
+    if K > 128:
+        raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
+
+
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
             gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
     """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
@@ -582,8 +588,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
 
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > 128:
-        raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
+    check_head_dim(K)
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
