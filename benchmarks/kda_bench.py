@@ -43,7 +43,8 @@ FAST_DT_BIAS = 8.0
 
 def make_inputs(B, T, H, K, V, case, device, dtype=torch.bfloat16, seed=0):
     """Raw layer-side inputs for a gate case (a key of CASES): q, k (un-normalised), v, gate
-    pre-activation z, beta logits, A_log, dt_bias."""
+    pre-activation z, beta logits, A_log, dt_bias (the model's init for both maps: inverse softplus of
+    log-uniform [1e-3, 1e-1])."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):
@@ -53,16 +54,15 @@ def make_inputs(B, T, H, K, V, case, device, dtype=torch.bfloat16, seed=0):
     beta_logits = randn(B, T, H)
     if case == "sigmoid":
         A_log = 0.5 * randn(H)
-        dt_bias = None
     else:
         A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, device=device))
-        dt = torch.exp(torch.rand(H * K, generator=gen, device=device) * (math.log(1e-1) - math.log(1e-3))
-                       + math.log(1e-3))
-        dt_bias = dt + torch.log(-torch.expm1(-dt))             # inverse softplus
-        if case == "softplus-fast":
-            dt_bias.view(H, K)[:, 0] = FAST_DT_BIAS
+    dt = torch.exp(torch.rand(H * K, generator=gen, device=device) * (math.log(1e-1) - math.log(1e-3))
+                   + math.log(1e-3))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))             # inverse softplus
+    if case == "softplus-fast":
+        dt_bias.view(H, K)[:, 0] = FAST_DT_BIAS
     xs = [t.to(dtype).requires_grad_() for t in (q, k, v, z, beta_logits)]
-    return xs + [A_log.requires_grad_(), None if dt_bias is None else dt_bias.requires_grad_()]
+    return xs + [A_log.requires_grad_(), dt_bias.requires_grad_()]
 
 
 def run_ours(q, k, v, z, bl, A_log, dt_bias, decay, recompute_states=False):
@@ -160,28 +160,20 @@ def _errors(xs, h0, o, ht, decay):
     """(tensor, relative error, limit, ok) of o, ht and every gradient of a bf16 call on the
     make_inputs leaves xs and initial state h0, against the float64 recurrence on the same (rounded)
     inputs. Limits: fla's own test thresholds."""
-    from kernels.kda import kda_recurrent
+    from kernels.kda import gated_inputs, kda_recurrent
 
     rows = []
-    H, K = xs[0].shape[-2:]
     do, dht = torch.randn_like(o), torch.randn_like(ht)
-    leaves = [x for x in xs if x is not None] + [h0]
+    leaves = list(xs) + [h0]
     # allow_unused: an implementation that gives some input no gradient shows as NaN, not a crash
     got = [o, ht] + list(torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves, allow_unused=True))
     ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
-    q, k, v, z, bl, A_log = ref_leaves[:6]
-    a = A_log.exp().view(1, 1, H, 1)
-    if decay == "sigmoid":
-        g = -5.0 * torch.sigmoid(a * z)
-    else:
-        g = -a * F.softplus(z + ref_leaves[6].view(1, 1, H, K))
-    ro, rht = kda_recurrent(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, torch.sigmoid(bl),
-                            initial_state=ref_leaves[-1], output_final_state=True)
+    q, k, v, z, bl, A_log, dt_bias = ref_leaves[:7]
+    q, k, g, beta = gated_inputs(q, k, z, bl, A_log, dt_bias, decay)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=ref_leaves[-1], output_final_state=True)
     ref = [ro, rht] + list(torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(),
                                                ref_leaves))
-    names = ["o", "final_state", "dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"]
-    names += ["ddt_bias"] if decay == "softplus" else []
-    names += ["dh0"]
+    names = ["o", "final_state", "dq", "dk", "dv", "dz", "dbeta_logits", "dA_log", "ddt_bias", "dh0"]
     limits = {"o": 5e-3, "final_state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3}
     for n, x, y in zip(names, got, ref):
         err = float("nan") if x is None else rel_err(x, y)

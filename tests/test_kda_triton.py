@@ -26,11 +26,15 @@ CASES = {
     "softplus_saturated_T70": (1, 70, 1, 16, 32, "softplus_sat", False),
     "short_T5": (1, 5, 2, 16, 16, "moderate", False),
 }
-# name: (decay map, key-slice width of the key-sliced kernels or None for the default table); with
-# K = 32, a width of 16 runs two slices: ``_bwd_dA`` sums their dTinv and dbeta parts, the gate kernels'
-# chunk flags and dA_log parts combine across them
-GATED = {"gated_sigmoid": ("sigmoid", None), "gated_softplus": ("softplus", None),
-         "gated_sigmoid_two_key_slices": ("sigmoid", 16), "gated_softplus_two_key_slices": ("softplus", 16)}
+# name: (decay map, key-slice width of the key-sliced kernels or None for the default table, B, T, H, K, V);
+# with K = 32, a width of 16 runs two slices: ``_bwd_dA`` sums their dTinv and dbeta parts, the gate kernels'
+# chunk flags and dA_log parts combine across them. K = 48 is masked to 64 columns, T = 70 ends in a ragged chunk.
+GATED = {"gated_sigmoid": ("sigmoid", None, 1, 20, 2, 32, 16), "gated_softplus": ("softplus", None, 1, 20, 2, 32, 16),
+         "gated_sigmoid_two_key_slices": ("sigmoid", 16, 1, 20, 2, 32, 16),
+         "gated_softplus_two_key_slices": ("softplus", 16, 1, 20, 2, 32, 16),
+         "gated_sigmoid_T70_K48": ("sigmoid", None, 2, 70, 1, 48, 24),
+         "gated_softplus_T70_K48": ("softplus", None, 2, 70, 1, 48, 24)}
+HALF = ("gated_sigmoid", "gated_softplus")  # also run with fp16 inputs
 KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd", "intra_diag", "bwd_diag")
 
 
@@ -94,21 +98,22 @@ def _run_checks() -> dict:
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
 
-    B, T, H, K, V = 1, 20, 2, 32, 16
-    for name, (decay, key_slice) in GATED.items():
+    for name, (decay, key_slice, B, T, H, K, V) in GATED.items():
         raw = [torch.randn(*s, generator=gen, dtype=torch.float64)
                for s in [(B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H)]]
         raw[3] = raw[3] * 4  # wide range of gate pre-activations
+        # A_h = log U(1, 16) either way; dt_bias per channel in [-3, -2] (softplus) or [-1, 1] (sigmoid: the
+        # map's slope a * sigmoid' then varies over both halves of the sigmoid)
         A_log = torch.log(1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64))
-        dt_bias = torch.rand(H * K, generator=gen, dtype=torch.float64) - 3 if decay == "softplus" else None
+        u = torch.rand(H * K, generator=gen, dtype=torch.float64)
+        dt_bias = u - 3 if decay == "softplus" else 2 * u - 1
         h0 = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
-        leaves = raw + [A_log] + ([dt_bias] if dt_bias is not None else []) + [h0]
-        names = ["dq", "dk", "dv", "dz", "dbeta_logits", "dA_log"] + (["ddt_bias"] if dt_bias is not None else []) + ["dh0"]
+        leaves = raw + [A_log, dt_bias, h0]
+        names = ["dq", "dk", "dv", "dz", "dbeta_logits", "dA_log", "ddt_bias", "dh0"]
 
         def run(fn, dtype):
             xs = [x.detach().to(dtype).requires_grad_() for x in leaves]
-            q, k, v, z, bl, A = xs[:6]
-            dt = xs[6] if dt_bias is not None else None
+            q, k, v, z, bl, A, dt = xs[:7]
             o, ht = fn(q, k, v, z, bl, A, dt, decay=decay, initial_state=xs[-1], output_final_state=True)
             g2 = torch.Generator().manual_seed(5)
             do = torch.randn(o.shape, generator=g2, dtype=torch.float64).to(o.dtype)
@@ -125,7 +130,7 @@ def _run_checks() -> dict:
         triton_fwd.LAUNCH.update(saved_launch)
         ref = run(partial(kda_gated_reference, backend="torch"), torch.float64)
         out[name] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, got, ref)}
-        if key_slice is None:  # half-precision inputs: the reverse pass takes half-precision operands
+        if name in HALF:  # half-precision inputs: the reverse pass takes half-precision operands
             half = run(kda_gated, torch.float16)
             out[name + "_fp16"] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, half, ref)}
 
@@ -187,7 +192,7 @@ def test_matches_float64_reference(results, case):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("case", [name + "_fp16" for name, (_, key_slice) in GATED.items() if key_slice is None])
+@pytest.mark.parametrize("case", [name + "_fp16" for name in HALF])
 def test_half_precision_inputs_within_half_precision_error(results, case):
     """fp16 inputs (standing in for bf16, whose products the interpreter cannot run: triton-lang/triton
     issue 11584), with the reverse state pass on half-precision operands: outputs and the q, k, v

@@ -10,9 +10,11 @@ Per head h, with state S_t [K, V] (Kimi Linear, arXiv:2510.26692, eq. 1):
     start with slow decay (sigmoid: g in [-0.47, -0.005]); beta_t = sigmoid(W_b x) per head.
 q, k, v pass a causal depthwise conv (size 4) and SiLU; q and k are L2-normalised per head.
 Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
-The sequence mixing itself runs through `kernels.kda.kda` (chunkwise torch, Triton or fla); with
-kernels.checkpoint_kda it runs under torch.utils.checkpoint: the backward reruns it from its inputs
-instead of keeping its intermediates.
+The q/k L2 norm, the decay map, beta's sigmoid and the sequence mixing are one call,
+`kernels.kda.kda_gated`: on the Triton backend the fused entry whose kernels do all of it (the one the
+kernel benchmark times), on the torch and fla backends the same math in PyTorch followed by
+`kernels.kda.kda`. With kernels.checkpoint_kda that call runs under torch.utils.checkpoint: the backward
+reruns it from its inputs (raw q, k, v, z, beta logits, A_log, dt_bias) instead of keeping its intermediates.
 """
 import math
 from functools import partial
@@ -24,8 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
-from kernels.kda import kda
 from k3lab.model.tags import tag
+from kernels.kda import kda_gated, log_decay
 
 
 def _uniform_log(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
@@ -81,29 +83,26 @@ class KDA(nn.Module):
         tag(self, "dt_bias", init=partial(_inverse_softplus_log_uniform, low=cfg.decay.dt_min, high=cfg.decay.dt_max))
 
     def log_decay(self, z: torch.Tensor) -> torch.Tensor:
-        """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0)."""
-        z = z.float() + self.dt_bias.float().view(self.n_heads, self.head_dim)
-        A = self.A_log.float().exp()[:, None]  # [H, 1]
-        if self.decay.name == "sigmoid":
-            return self.decay.g_min * torch.sigmoid(A * z)
-        return -A * F.softplus(z)
+        """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0): the decay map that `forward` applies."""
+        return log_decay(z, self.A_log, self.dt_bias, self.decay.name, self.decay.g_min)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         heads = lambda t: t.view(B, T, H, K)  # noqa: E731
-        q = F.normalize(heads(self.q_conv(self.q_proj(x))), dim=-1)
-        k = F.normalize(heads(self.k_conv(self.k_proj(x))), dim=-1)
+        q = heads(self.q_conv(self.q_proj(x)))
+        k = heads(self.k_conv(self.k_proj(x)))
         v = heads(self.v_conv(self.v_proj(x)))
-        g = self.log_decay(heads(self.f_up(self.f_down(x))))
-        beta = torch.sigmoid(self.b_proj(x).float())
+        z = heads(self.f_up(self.f_down(x)))
         # the sigmoid map bounds g below by g_min: with g_min >= -5 the Triton/fla kernels may run every
-        # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1)
-        safe = self.decay.name == "sigmoid" and self.decay.g_min >= -5
-        mix = partial(kda, backend=self.backend, safe_gate=safe, recompute_states=self.recompute_states)
+        # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1). core: the chunkwise call of the torch and
+        # fla backends, this module's `kda` (which tests replace to see what reaches the kernel)
+        mix = partial(kda_gated, decay=self.decay.name, g_min=self.decay.g_min, backend=self.backend,
+                      recompute_states=self.recompute_states, core=kda)
+        inputs = (q, k, v, z, self.b_proj(x), self.A_log, self.dt_bias)
         if self.checkpoint_kda and torch.is_grad_enabled():  # nothing random inside: no RNG state to keep
-            o, _ = checkpoint(mix, q, k, v, g, beta, use_reentrant=False, preserve_rng_state=False)
+            o, _ = checkpoint(mix, *inputs, use_reentrant=False, preserve_rng_state=False)
         else:
-            o, _ = mix(q, k, v, g, beta)
+            o, _ = mix(*inputs)
         o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj(o.reshape(B, T, H * K))

@@ -396,9 +396,9 @@ def _dg_bwd(
 ):
     """Per chunk and slice of BKS key columns (program axis 2), dg = d G_last + the reverse cumulative
     sum of dG within the chunk (G is the within-chunk cumsum of g), then through a fused gate (GATE 1 =
-    sigmoid map g = G_MIN sigmoid(a z), 2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h])).
+    sigmoid map g = G_MIN sigmoid(a (z + dt_bias)), 2 = softplus map g = -a softplus(z + dt_bias), a = exp(A_log[h])).
     Writes dg [B, T, H, K] (the gradient of z with a fused gate, in dg's dtype) and partial sums of
-    dA_log per chunk and slice (dA_part [B, H, NT, NKS]) and, for softplus, of dt_bias per chunk
+    dA_log per chunk and slice (dA_part [B, H, NT, NKS]) and of dt_bias per chunk
     (ddt_part [B, H, NT, K])."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
@@ -412,18 +412,18 @@ def _dg_bwd(
     off = (i_b * T * H + i_h) * K + t0 * stride_k + r[:, None] * stride_k + ck[None, :]
     if GATE > 0:
         zz = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+        zb = zz + tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         part = (i_bh * NT + i_n) * tl.num_programs(2) + i_k      # this chunk and slice's dA_log part
-    if GATE == 1:
-        sg = tl.sigmoid(a * zz)
-        dpre = tl.where(m, d * G_MIN * sg * (1.0 - sg), 0.0)
-        tl.store(dA_part + part, tl.sum(tl.sum(dpre * a * zz, axis=1), axis=0))
-        d = dpre * a
-    elif GATE == 2:
-        zb = zz + tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
-        d = tl.where(m, d, 0.0)
-        tl.store(dA_part + part, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
-        d = -d * a * tl.sigmoid(zb)
+        if GATE == 1:
+            sg = tl.sigmoid(a * zb)
+            dpre = tl.where(m, d * G_MIN * sg * (1.0 - sg), 0.0)
+            tl.store(dA_part + part, tl.sum(tl.sum(dpre * a * zb, axis=1), axis=0))
+            d = dpre * a
+        else:
+            d = tl.where(m, d, 0.0)
+            tl.store(dA_part + part, tl.sum(tl.sum(-d * a * _softplus(zb), axis=1), axis=0))
+            d = -d * a * tl.sigmoid(zb)
         tl.store(ddt_part + (i_bh * NT + i_n) * K + ck, tl.sum(d, axis=0), mask=ck < K)
     tl.store(dg + off, d.to(dg.dtype.element_ty), mask=m)
 
@@ -433,7 +433,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     """Launch the backward kernels. Returns dq, dk, dv, dg, dbeta, the initial-state gradient (None
     without an initial state), dA_log and ddt_bias. Without a fused gate (gate = 0) dg is the gradient
     of the log-decay g and the last two are None; with gate 1 (sigmoid) or 2 (softplus) it is the
-    gradient of the raw input z, and dA_log [H] (and ddt_bias [H * K] for softplus) come along.
+    gradient of the raw input z, and dA_log [H] and ddt_bias [H * K] come along.
     dqk_dtype: dtype of dq and dk (default q's); float32 when they feed the L2-norm backward."""
     import torch
 
@@ -499,13 +499,13 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     BKG = min(g_opts.pop("BKS"), BK)
     NKG = triton.cdiv(K, BKG)
     dA_part = torch.empty(B, H, NT, NKG, device=dev, dtype=f32) if gate else None
-    ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate == 2 else None
+    ddt_part = torch.empty(B, H, NT, K, device=dev, dtype=f32) if gate else None
     _dg_bwd[(NT, B * H, NKG)](dG_p, dgl, dummy if z is None else z, dummy if A_log is None else A_log,
                               dummy if dt_bias is None else dt_bias, dg, dummy if dA_part is None else dA_part,
                               dummy if ddt_part is None else ddt_part, T, H, K, BKG, BT, gate, float(g_min),
                               **g_opts)
     dA_log = dA_part.sum((0, 2, 3)) if gate else None
-    ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate == 2 else None
+    ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
 
 

@@ -104,7 +104,7 @@ def _gate_cumsum(
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
-    g = G_MIN * sigmoid(exp(A_log[h]) * z), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
+    g = G_MIN * sigmoid(exp(A_log[h]) * (z + dt_bias[h, :])), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
     With CHECK (a gate not bounded below), Safe[b, h, n] (set to 1 before the launch) is cleared unless
     every 16-row sub-block of the chunk decays by at most SAFE_RANGE in every channel, so that the
@@ -116,14 +116,13 @@ def _gate_cumsum(
     c = i_k * BKS + tl.arange(0, BKS)
     r = i_n * BTC + tl.arange(0, BTC)
     valid = (r[:, None] < T) & (c[None, :] < K)
-    if GATE == 1:
+    if GATE > 0:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        x = G_MIN * tl.sigmoid(a * x)
-    elif GATE == 2:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        bias = tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)
-        z = x + bias[None, :]
-        x = -a * _softplus(z)
+        z = x + tl.load(dt_bias + i_h * K + c, mask=c < K, other=0.0).to(tl.float32)[None, :]
+        if GATE == 1:
+            x = G_MIN * tl.sigmoid(a * z)
+        else:
+            x = -a * _softplus(z)
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
     base = G + (i_bh * NT * BTC) * K
@@ -569,6 +568,12 @@ def state_pass(Kd, W, U, G, h0, prec, output_final_state):
     return Hs, Dl, ht
 
 
+def check_head_dim(K: int) -> None:
+    """Raise ValueError for a head dimension the kernels do not support (K > 128)."""
+    if K > 128:
+        raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
+
+
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
             gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
     """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
@@ -582,8 +587,7 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
 
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K > 128:
-        raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
+    check_head_dim(K)
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
