@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
 from k3lab.model.tags import tag
-from kernels.kda import kda_gated, log_decay
+from kernels.kda import kda, kda_gated, log_decay
 
 
 def _uniform_log(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
