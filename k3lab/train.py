@@ -192,12 +192,13 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
             trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
-        summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, module, tokens_per_step, fpt))
+        summary.finish("failed", error=f"{type(err).__name__}: {err}",
+                       **final_fields(run_dir, module, tokens_per_step, fpt, datamodule.train_tokens))
         write_metrics_csv(run_dir)
         if not isinstance(err, KeyboardInterrupt):
             traceback.print_exc()
         raise
-    summary.finish("completed", **final_fields(run_dir, module, tokens_per_step, fpt))
+    summary.finish("completed", **final_fields(run_dir, module, tokens_per_step, fpt, datamodule.train_tokens))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
     if module.last_depth:
@@ -206,7 +207,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     return summary.data
 
 
-def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: float) -> dict:
+def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: float, train_tokens: int) -> dict:
     rows = read_metrics(run_dir)
     val = [r["loss/val"] for r in rows if r.get("loss/val") is not None]
     train_loss = [r["loss/train"] for r in rows if r.get("loss/train") is not None]
@@ -217,6 +218,7 @@ def final_fields(run_dir: Path, module: K3LitModule, tokens_per_step: int, fpt: 
     speeds = [r["speed/tokens_per_s"] for r in rows if r.get("speed/tokens_per_s")]
     return {
         "steps": steps, "tokens": tokens, "flops": tokens * fpt, "flops_6nd": 6.0 * non_emb * tokens,
+        "epochs": tokens / train_tokens,  # passes over the training split (DESIGN: at most about 4)
         "tokens_per_s_median": statistics.median(speeds) if speeds else None,
         "peak_memory_mb": peak_memory_mb(),
         "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,
