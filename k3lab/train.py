@@ -74,7 +74,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
                              tokens_per_step, fpt)
         module.elapsed_offset = elapsed
-        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt)
+        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt,
+                     train_tokens=datamodule.train_tokens)
         summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
                        tokens_per_step=tokens_per_step, max_steps=cfg.train.max_steps, **known["counts"],
                        flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
@@ -151,7 +152,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
     )
 
 
-def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int = 0, fpt: float = 0.0) -> dict:
+def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int = 0, fpt: float = 0.0,
+                 train_tokens: int = 0) -> dict:
     """The summary.json fields known at the end: length, FLOPs, speed, memory and the final losses (a run
     that failed before its model was built has only the losses and speed its metrics hold)."""
     rows = read_metrics(run_dir)
@@ -164,6 +166,7 @@ def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int
     return {
         "steps": steps, "tokens": tokens, "flops": tokens * fpt,
         "flops_6nd": 6.0 * counts["params_active_non_embedding"] * tokens if counts else None,
+        "epochs": tokens / train_tokens if train_tokens else None,  # passes over the training split (at most ~4)
         "tokens_per_s_median": statistics.median(speeds) if speeds else None,
         "peak_memory_mb": peak_memory_mb(),
         "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,

@@ -3,11 +3,13 @@
 `y` is the target for each position of `x` (for text: `x` shifted by one), -100 where no loss is
 taken. The trainer computes cross-entropy with `ignore_index=-100` and accuracy on `y != -100`.
 
-Training batches are a pure function of `(seed, step, rank)`: the train windows (text) or
-examples (MQAR) are visited in a fresh seeded permutation each epoch, and batch `s` of rank `r`
-takes samples `(s * world + r) * B ... + B - 1` of that endless sequence. A resumed run calls
-`set_start_step(s)` (or lets the datamodule read `trainer.global_step`) and sees exactly the
-batches an uninterrupted run would have seen from step `s` on.
+Training batches are a pure function of `(seed, step, rank)`: batch `s` of rank `r` takes samples
+`(s * world + r) * B ... + B - 1` of an endless seeded sequence. For sotu / text windows and MQAR
+examples that sequence visits every item once per epoch in a fresh seeded permutation
+(`EpochPermutation`); for token shards (`tokens`) it is uniformly random window starts
+(`RandomWindows`). Nothing about the sampler is saved: a resumed run calls `set_start_step(s)` (or
+lets the datamodule read `trainer.global_step` from the checkpoint) and sees exactly the batches an
+uninterrupted run would have seen from step `s` on.
 
 Text corpora (`sotu`, `text`) are prepared once and cached under `cache_dir/lm/<key>/`: the
 tokenizer (`tokenizer.json`, BPE only), the packed train and validation token streams (`.npy`) and
@@ -16,6 +18,9 @@ split, the tokenizer kind, its vocabulary size and the BPE recipe. Every file is
 temporary name and moved into place with `os.replace`, so concurrent writers (DDP ranks, parallel
 runs) never leave a torn file; Lightning calls `prepare_data` on local rank 0 only and the other
 ranks load the finished cache in `setup`.
+
+Token shards (`tokens`, made by `python -m k3lab.data.prepare`, format in `k3lab.data.tokens`) are
+memory-mapped from `data.path` as they are; the vocabulary comes from their meta.json.
 """
 from __future__ import annotations
 
@@ -35,10 +40,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ..config import DataConfig
-from . import corpus, mqar
+from . import corpus, mqar, tokens
 from .tokenizer import BPE_SETTINGS, BPETokenizer, ByteTokenizer, atomic_write_bytes, pack
 
-DATASETS = ("sotu", "text", "mqar")
+DATASETS = ("sotu", "text", "mqar", "tokens")
 TOKENIZERS = ("bpe", "byte")
 IGNORE_INDEX = -100
 CACHE_FORMAT = 1
@@ -68,8 +73,9 @@ class LMData:
     train: np.ndarray          # packed train stream, eod after every document
     val: np.ndarray            # packed validation stream
     tokenizer: ByteTokenizer | BPETokenizer
-    meta: dict
-    cache_hit: bool            # True when everything came from the cache
+    meta: dict                 # vocab_size, eod_id, document and token counts, ...
+    cache_hit: bool            # True when everything came from the cache (or the token shards)
+    train_counts: np.ndarray | None = None  # int64 [vocab_size] id counts of `train`, when stored
 
 
 def lm_cache_key(cfg: DataConfig) -> str:
@@ -165,12 +171,38 @@ def _build_lm(cfg: DataConfig, entry: Path) -> LMData:
     return LMData(train, val, tok, meta, cache_hit=False)
 
 
+def load_tokens(cfg: DataConfig) -> LMData:
+    """The token shards at `data.path` (`k3lab.data.tokens`), memory-mapped; nothing is built."""
+    if not cfg.path:
+        raise ValueError("data=tokens needs data.path (a folder made by python -m k3lab.data.prepare)")
+    folder = Path(cfg.path).expanduser()
+    meta = tokens.read_meta(folder)
+    tok = BPETokenizer.load(folder / tokens.TOKENIZER, eod_token=meta["tokenizer"]["eod_token"])
+    return LMData(tokens.open_split(folder, meta, "train"), tokens.open_split(folder, meta, "val"), tok, meta,
+                  cache_hit=True, train_counts=np.load(folder / tokens.TRAIN_COUNTS))
+
+
+def token_counts(stream: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
+    """int64 `[vocab_size]`: occurrences of every id in `stream` `[n]`, counted `chunk` tokens at a
+    time so a memory-mapped stream is never copied whole."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(stream), chunk):
+        counts += np.bincount(np.asarray(stream[start:start + chunk]), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def counts_cross_entropy(train_counts: np.ndarray, target_counts: np.ndarray) -> float:
+    """Cross-entropy (nats/token) of targets with id counts `target_counts` `[V]` under the
+    add-one-smoothed unigram distribution of `train_counts` `[V]`: p(v) = (count(v) + 1) / (sum(count) + V)."""
+    counts = np.asarray(train_counts, dtype=np.float64)
+    log_p = np.log(counts + 1.0) - math.log(counts.sum() + len(counts))
+    return float(-(np.asarray(target_counts, dtype=np.float64) * log_p).sum() / np.sum(target_counts))
+
+
 def unigram_cross_entropy(train: np.ndarray, targets: np.ndarray, vocab_size: int) -> float:
     """Cross-entropy (nats/token) of `targets` under the add-one-smoothed unigram distribution of
     `train`: p(v) = (count_train(v) + 1) / (len(train) + vocab_size)."""
-    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size).astype(np.float64)
-    log_p = np.log(counts + 1.0) - math.log(counts.sum() + vocab_size)
-    return float(-log_p[np.asarray(targets, dtype=np.int64)].mean())
+    return counts_cross_entropy(token_counts(train, vocab_size), token_counts(targets, vocab_size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +232,35 @@ class EpochPermutation:
         for e in np.unique(epochs):
             mask = epochs == e
             out[mask] = self._perm(int(e))[pos[mask]]
+        return out
+
+
+class RandomWindows:
+    """Sample `i` of an endless stream of window starts, uniform on `0 .. n - 1` with replacement
+    (nanoGPT's `get_batch`): element `i % K` of the block `default_rng([seed, i // K])
+    .integers(0, n, K)`, K = `block`. A pure function of `(seed, i)`, so a resume needs only the
+    step; the blocks replace a permutation of every start, which would not fit in memory for a
+    corpus of billions of tokens."""
+
+    def __init__(self, n: int, seed: int, block: int = 1 << 16):
+        if n < 1:
+            raise ValueError("nothing to sample from")
+        self.n, self.seed, self.block = n, seed, block
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def _starts(self, b: int) -> np.ndarray:
+        if b not in self._blocks:
+            if len(self._blocks) > 2:
+                self._blocks.pop(min(self._blocks))
+            self._blocks[b] = np.random.default_rng([self.seed, b]).integers(0, self.n, self.block)
+        return self._blocks[b]
+
+    def __call__(self, sample_ids: np.ndarray) -> np.ndarray:
+        blocks, pos = np.divmod(sample_ids, self.block)
+        out = np.empty_like(sample_ids)
+        for b in np.unique(blocks):
+            mask = blocks == b
+            out[mask] = self._starts(int(b))[pos[mask]]
         return out
 
 
@@ -245,8 +306,8 @@ class FixedBatches(Dataset):
 
 
 class K3DataModule(L.LightningDataModule):
-    """sotu / text / mqar, chosen by `cfg.name`. Call `setup()` (Lightning does) before reading
-    `vocab_size` or `unigram_entropy()`."""
+    """sotu / text / mqar / tokens, chosen by `cfg.name`. Call `setup()` (Lightning does) before
+    reading `vocab_size`, `train_tokens` or `unigram_entropy()`."""
 
     def __init__(self, cfg: DataConfig, seed: int = 0):
         super().__init__()
@@ -262,8 +323,8 @@ class K3DataModule(L.LightningDataModule):
     # -- Lightning hooks ---------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Build the text cache (runs on local rank 0 only under DDP); MQAR needs nothing."""
-        if self.cfg.name != "mqar":
+        """Build the text cache (runs on local rank 0 only under DDP); MQAR and token shards need nothing."""
+        if self.cfg.name in ("sotu", "text"):
             self.lm = prepare_lm(self.cfg)
 
     def setup(self, stage: str | None = None) -> None:
@@ -285,6 +346,13 @@ class K3DataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(FixedBatches(self.val_x, self.val_y, self.cfg.batch_size), batch_size=None,
                           shuffle=False, num_workers=self.cfg.num_workers)
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens in the training split (MQAR: examples x seq_len); tokens seen / this = epochs."""
+        if self.cfg.name == "mqar":
+            return self.cfg.n_train_examples * self.cfg.seq_len
+        return len(self.lm.train)
 
     @property
     def n_val_batches(self) -> int:
@@ -324,32 +392,36 @@ class K3DataModule(L.LightningDataModule):
         if self.cfg.name == "mqar":
             return (torch.from_numpy(self.train_x[items].astype(np.int64)),
                     torch.from_numpy(self.train_y[items].astype(np.int64)))
-        return window_batch(self.lm.train, items * self.cfg.seq_len, self.cfg.seq_len)
+        return window_batch(self.lm.train, items * self._stride, self.cfg.seq_len)
 
     # -- floors ----------------------------------------------------------------------------
 
     def unigram_entropy(self) -> float:
         """The loss floor of meaning, in nats per target token.
 
-        sotu/text: cross-entropy of the validation targets (exactly the `y` tokens that validation
-        scores) under the train split's unigram distribution with add-one (Laplace) smoothing over
-        the whole vocabulary, i.e. the validation loss of a model that knows only train token
-        frequencies. mqar: log of the number of values, the loss of a uniform guess over the value
-        range at answer positions (the key and the pair layout already rule out every other token).
+        sotu/text/tokens: cross-entropy of the validation targets (exactly the `y` tokens that
+        validation scores) under the train split's unigram distribution with add-one (Laplace)
+        smoothing over the whole vocabulary, i.e. the validation loss of a model that knows only
+        train token frequencies (token shards store those counts). mqar: log of the number of
+        values, the loss of a uniform guess over the value range at answer positions (the key and
+        the pair layout already rule out every other token).
         """
         if not self._ready:
             raise RuntimeError("call setup() first")
         if self.cfg.name == "mqar":
             return mqar.answer_entropy(self.cfg.mqar_vocab)
-        return unigram_cross_entropy(self.lm.train, self.val_y.numpy().ravel(), self.vocab_size)
+        counts = self.lm.train_counts
+        if counts is None:
+            counts = token_counts(self.lm.train, self.vocab_size)
+        return counts_cross_entropy(counts, token_counts(self.val_y.numpy().ravel(), self.vocab_size))
 
     # -- dataset-specific setup ------------------------------------------------------------
 
     def _setup_lm(self) -> None:
         cfg, T = self.cfg, self.cfg.seq_len
         if self.lm is None:  # other ranks, or prepare_data was not called: load (or build) the cache
-            self.lm = prepare_lm(cfg)
-        self.vocab_size = self.lm.tokenizer.vocab_size
+            self.lm = load_tokens(cfg) if cfg.name == "tokens" else prepare_lm(cfg)
+        self.vocab_size = int(self.lm.meta["vocab_size"])
         n_train = (len(self.lm.train) - 1) // T
         n_val_all = (len(self.lm.val) - 1) // T
         if n_train < 1:
@@ -361,7 +433,10 @@ class K3DataModule(L.LightningDataModule):
         # windows spread evenly over the validation stream; stride T, so no target is scored twice
         val_windows = np.unique(np.linspace(0, n_val_all - 1, n_val).round().astype(np.int64))
         self.val_x, self.val_y = window_batch(self.lm.val, val_windows * T, T)
-        self._sampler = EpochPermutation(n_train, self.seed)
+        if cfg.name == "tokens":  # windows from any token on, drawn with replacement (nanoGPT)
+            self._sampler, self._stride = RandomWindows(len(self.lm.train) - T, self.seed), 1
+        else:  # the non-overlapping windows of the packed stream, each once per epoch
+            self._sampler, self._stride = EpochPermutation(n_train, self.seed), T
         self.info = {**self.lm.meta, "cache_hit": self.lm.cache_hit, "train_windows": n_train,
                      "val_windows": len(val_windows), "val_targets": int(self.val_y.numel())}
 

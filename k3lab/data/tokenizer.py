@@ -5,7 +5,8 @@ one stream, and both round-trip exactly: `decode(encode(text)) == text` for any 
 
 - `BPETokenizer`: byte-level BPE (GPT-2 style byte alphabet, GPT-2 regex pre-splitting, no
   normalisation, no added prefix space). The special token `<|endoftext|>` has id 0 and counts
-  towards `vocab_size`.
+  towards `vocab_size`. `BPETokenizer.load` also takes any other `tokenizers` tokenizer.json,
+  given the name of its end-of-document token.
 - `ByteTokenizer`: ids 0..255 are the UTF-8 bytes and 256 is the end-of-document token, so its
   vocabulary has 257 entries.
 """
@@ -64,13 +65,15 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, tok):
-        self.tok = tok
-        self.eod_id = tok.token_to_id(EOD_TOKEN)
+    def __init__(self, tok, eod_token: str = EOD_TOKEN):
+        eod_id = tok.token_to_id(eod_token)
+        if eod_id is None:
+            raise ValueError(f"the tokenizer has no token {eod_token!r} to end documents with")
+        self.tok, self.eod_token, self.eod_id = tok, eod_token, eod_id
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> "BPETokenizer":
         """Learn merges on `texts` (pass the training split only)."""
         global train_calls
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -86,17 +89,18 @@ class BPETokenizer:
             min_frequency=BPE_MIN_FREQUENCY,
             special_tokens=[EOD_TOKEN],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=show_progress,
         )
         tok.train_from_iterator(texts, trainer=trainer)
         train_calls += 1
         return cls(tok)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "BPETokenizer":
+    def load(cls, path: str | os.PathLike, eod_token: str = EOD_TOKEN) -> "BPETokenizer":
+        """A `tokenizers` tokenizer.json (any model, not only ours) that knows `eod_token`."""
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(path)))
+        return cls(Tokenizer.from_file(str(path)), eod_token)
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_bytes(Path(path), self.tok.to_str().encode("utf-8"))
@@ -115,7 +119,8 @@ Tokenizer = ByteTokenizer | BPETokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+    """The narrowest unsigned type that holds ids 0 .. vocab_size - 1: uint16 up to 65536 entries, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def pack(tokenizer: Tokenizer, texts: Sequence[str], batch: int = 64) -> np.ndarray:
