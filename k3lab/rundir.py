@@ -253,7 +253,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     lock_run_dir(run_dir)
     if action == "resume":
         return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
-    for name in ("metrics.jsonl", "metrics.csv", "summary.json", "checkpoints/last.ckpt"):
+    for name in ("checkpoints/last.ckpt", "summary.json", "metrics.jsonl", "metrics.csv"):  # checkpoint first
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from k3lab.rundir import read_summary
+
 from test_train import FAST, ROOT, run_cli  # noqa: F401  (ROOT: the repo, run_cli: python run.py ...)
 
 TINY = [*FAST, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=2", "data.tokenizer=byte"]
@@ -61,7 +63,7 @@ def test_failed_run_is_reported_and_a_rerun_skips_resumes_and_retries(tmp_path):
     ckpt = c_dir / "checkpoints" / "last.ckpt"
     deadline = time.time() + 300
     while victim.poll() is None and time.time() < deadline:
-        if ckpt.exists() and json.loads((c_dir / "summary.json").read_text()).get("status") == "running":
+        if ckpt.exists() and read_summary(c_dir).get("status") == "running":  # the new run's checkpoint
             break
         time.sleep(0.02)
     victim.send_signal(signal.SIGKILL)
