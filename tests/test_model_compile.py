@@ -3,8 +3,8 @@
 Traced whole, the sublayer loop of K3Model.forward unrolls into one graph, the AttnRes bookkeeping with it.
 A graph break inside a sublayer (here: the torch KDA path's data-dependent decay-path choice and the MoE's
 data-dependent expert split) makes dynamo skip K3Model.forward and compile each call it makes as a frame of
-its own; the residual's read/write/end then run eagerly rather than being recompiled at every sublayer for
-its op index and number of depth sources (which used to exhaust dynamo's recompile limit of 8 in `read`).
+its own; the residual's read/write/end then run eagerly: compiled as frames, they would be recompiled at every
+sublayer for its op index and number of depth sources, up to dynamo's recompile limit of 8.
 """
 import pytest
 import torch
@@ -44,9 +44,9 @@ def entries(fn) -> int:
 @pytest.mark.parametrize("residual", ["block_attnres", "full_attnres"])
 def test_graph_breaks_in_sublayers_do_not_recompile_the_residual(residual):
     """With sublayers that graph-break (torch KDA path, MoE), torch.compile(backend="eager") gives eager's
-    logits and gradients, never compiles AttnResidual.read/write/end as frames of their own (before: `read`
-    compiled once per sublayer up to the recompile limit) and compiles each sublayer wrapper once per
-    sublayer kind (KDA, MLA, GLU, MoE: at most 4 entries)."""
+    logits and gradients, never compiles AttnResidual.read/write/end as frames of their own (`read` would
+    otherwise be compiled once per sublayer, up to the recompile limit) and compiles each sublayer wrapper
+    once per sublayer kind (KDA, MLA, GLU, MoE: at most 4 entries)."""
     torch._dynamo.reset()
     model = build(residual)
     eager = step(model, model)
