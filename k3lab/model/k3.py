@@ -131,6 +131,7 @@ class K3Model(nn.Module):
 
 
 def _call(fn, *args):
+    """fn(*args): for the residual's methods inside a trace, which inlines them."""
     return fn(*args)
 
 
