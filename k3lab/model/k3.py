@@ -116,8 +116,29 @@ class K3Model(nn.Module):
         }
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32)."""
-        state = self.residual.begin(self.embed(tokens))
+        """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32).
+
+        Under torch.compile, traced whole, the sublayer loop unrolls into the graph with the residual's
+        bookkeeping. A graph break inside a sublayer (data-dependent MoE routing, the torch KDA path) makes
+        dynamo run this frame eagerly instead and compile every call it makes as a frame of its own; the
+        residual's read/write/end, whose Python state differs at every sublayer (the op index and, under
+        AttnRes, the number of depth sources), would then be compiled once per sublayer until dynamo's
+        recompile limit. In that case they run eagerly (`_seam`), the sublayers compiled as before.
+        """
+        call = _call if torch.compiler.is_compiling() else _seam
+        res = self.residual
+        state = call(res.begin, self.embed(tokens))
         for i, sublayer in enumerate(self.sublayers):
-            state = self.residual.write(state, i, sublayer(self.residual.read(state, i)))
-        return self.lm_head(self.norm(self.residual.end(state))).float()
+            state = call(res.write, state, i, sublayer(call(res.read, state, i)))
+        return self.lm_head(self.norm(call(res.end, state))).float()
+
+
+def _call(fn, *args):
+    """fn(*args): for the residual's methods inside a trace, which inlines them."""
+    return fn(*args)
+
+
+@torch.compiler.disable
+def _seam(fn, *args):
+    """fn(*args) with dynamo off: for the residual's methods when K3Model.forward runs outside a trace."""
+    return fn(*args)

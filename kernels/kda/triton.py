@@ -48,9 +48,11 @@ def saved_names(fuse_prep: bool, recompute_states: bool) -> list[str]:
 def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None,
              dt_bias: Tensor | None, initial_state: Tensor | None, scale: float, safe_gate: bool, gate: int,
              g_min: float, fuse_prep: bool, recompute_states: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
-    """o [B, T, H, V] (dtype of v), the final state [B, H, K, V] float32 and the tensors kept for the
-    backward (``saved_names``). gate: a value of GATES; with a gate ``g`` holds the raw input z. With
-    ``fuse_prep`` q and k are raw (L2-normalised in a kernel) and ``beta`` holds the logits."""
+    """o [B, T, H, V] (dtype of v), the final state [B, H, K, V] float32 (always: one store per (b, h) at
+    the end of the state pass; the entries drop it unless asked) and the tensors kept for the backward
+    (``saved_names``). gate: a value of GATES; with a gate ``g`` holds the raw input z. With ``fuse_prep``
+    q and k are raw (L2-normalised in a kernel) and ``beta`` holds the logits. Matmul precision follows v:
+    exact fp32 for fp32 values, tf32 tensor cores for bf16/fp16 (``dot_precision``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     prep = []
     if fuse_prep:

@@ -1,0 +1,75 @@
+"""The whole model under torch.compile on the CPU (dynamo; the "eager" and "aot_eager" backends, no Inductor).
+
+Traced whole, the sublayer loop of K3Model.forward unrolls into one graph, the AttnRes bookkeeping with it.
+A graph break inside a sublayer (here: the torch KDA path's data-dependent decay-path choice and the MoE's
+data-dependent expert split) makes dynamo skip K3Model.forward and compile each call it makes as a frame of
+its own; the residual's read/write/end then run eagerly: compiled as frames, they would be recompiled at every
+sublayer for its op index and number of depth sources, up to dynamo's recompile limit of 8.
+"""
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from k3lab.config import MixerConfig, ModelConfig, MoEConfig, ResidualConfig
+from k3lab.model.attnres import AttnResidual
+from k3lab.model.k3 import K3Model, PreNorm
+
+VOCAB = 97
+
+
+def build(residual: str, **overrides) -> K3Model:
+    """6 layers = 12 sublayers and 13 AttnRes ops (more than dynamo's recompile limit of 8)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=6, d_model=64, head_dim=32, vocab_size=VOCAB, residual=ResidualConfig(name=residual),
+                      **overrides)
+    return K3Model(cfg)
+
+
+def step(model, fn) -> list[torch.Tensor]:
+    """Logits and every parameter gradient of one forward+backward of fn (the model or its compiled form)."""
+    model.zero_grad(set_to_none=True)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits = fn(tokens)
+    logits.square().mean().backward()
+    return [logits.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def entries(fn) -> int:
+    """Compiled frames dynamo holds for fn's code."""
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+@pytest.mark.parametrize("residual", ["block_attnres", "full_attnres"])
+def test_graph_breaks_in_sublayers_do_not_recompile_the_residual(residual):
+    """With sublayers that graph-break (torch KDA path, MoE), torch.compile(backend="eager") gives eager's
+    logits and gradients, never compiles AttnResidual.read/write/end as frames of their own (`read` would
+    otherwise be compiled once per sublayer, up to the recompile limit) and compiles each sublayer wrapper
+    once per sublayer kind (KDA, MLA, GLU, MoE: at most 4 entries)."""
+    torch._dynamo.reset()
+    model = build(residual)
+    eager = step(model, model)
+    compiled = step(model, torch.compile(model, backend="eager"))
+    assert len(compiled) == len(eager)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert entries(K3Model.forward) == 0  # skipped: the graph breaks sit inside its loop
+    assert [entries(f) for f in (AttnResidual.read, AttnResidual.write, AttnResidual.end)] == [0, 0, 0]
+    assert 1 <= entries(PreNorm.forward) <= 4
+
+
+@pytest.mark.parametrize("residual", ["block_attnres", "full_attnres", "standard"])
+def test_model_without_graph_breaks_compiles_to_one_graph(residual):
+    """All-MLA layers with dense FFNs have no graph break: torch.compile(fullgraph=True, aot_eager) traces the
+    whole model, AttnRes stack included, as one frame, once, and matches eager forward and backward."""
+    torch._dynamo.reset()
+    model = build(residual, mixer=MixerConfig(name="mla"), moe=MoEConfig(name="dense"))
+    eager = step(model, model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_model = torch.compile(model, backend=counter, fullgraph=True)
+    compiled = step(model, compiled_model)
+    step(model, compiled_model)  # a second call reuses the graph
+    assert counter.frame_count == 1
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
