@@ -193,19 +193,26 @@ def test_packed_batches_shift_and_eod(tmp_path):
     assert sum(b[1].numel() for b in dm.val_dataloader()) == dm.info["val_targets"] <= 256
 
 
-def test_sampling_is_seeded_and_resumable(tmp_path):
-    cfg = text_cfg(tmp_path)
-    fresh = K3DataModule(cfg, seed=3)
+def assert_resumes_in_order(cfg: DataConfig, seed: int = 3) -> tuple[K3DataModule, list]:
+    """A datamodule set to start at step 7 yields batches 7.. of a fresh one; returns the fresh one and
+    its first 12 batches."""
+    fresh = K3DataModule(cfg, seed=seed)
     fresh.setup()
     it = iter(fresh.train_dataloader())
     first = [next(it) for _ in range(12)]
-    resumed = K3DataModule(cfg, seed=3)
+    resumed = K3DataModule(cfg, seed=seed)
     resumed.setup()
     resumed.set_start_step(7)
     it2 = iter(resumed.train_dataloader())
     for s in range(7, 12):
         x, y = next(it2)
         assert torch.equal(x, first[s][0]) and torch.equal(y, first[s][1])
+    return fresh, first
+
+
+def test_sampling_is_seeded_and_resumable(tmp_path):
+    cfg = text_cfg(tmp_path)
+    fresh, first = assert_resumes_in_order(cfg)
     other = K3DataModule(cfg, seed=4)
     other.setup()
     assert not torch.equal(other.train_batch(0)[0], first[0][0])

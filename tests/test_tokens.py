@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from test_data import assert_resumes_in_order
 from test_train import FAST, ROOT, rows, run_inprocess
 
 from k3lab.config import DataConfig
@@ -155,19 +156,9 @@ def shards(tmp_path_factory) -> Path:
 
 def test_sampler_resumes_in_the_same_order_and_ignores_the_batch_layout(shards):
     cfg = DataConfig(name="tokens", path=str(shards), seq_len=32, batch_size=4, vocab_size=999, val_tokens=256)
-    fresh = K3DataModule(cfg, seed=3)
-    fresh.setup()
+    fresh, first = assert_resumes_in_order(cfg)
     meta = tokens.read_meta(shards)
     assert fresh.vocab_size == meta["vocab_size"] == 300 and fresh.train_tokens == meta["splits"]["train"]["tokens"]
-    it = iter(fresh.train_dataloader())
-    first = [next(it) for _ in range(12)]
-    resumed = K3DataModule(cfg, seed=3)
-    resumed.setup()
-    resumed.set_start_step(7)
-    it2 = iter(resumed.train_dataloader())
-    for s in range(7, 12):
-        x, y = next(it2)
-        assert torch.equal(x, first[s][0]) and torch.equal(y, first[s][1])
     # each row is the window of train.bin at its sampled start, from any offset
     train = np.asarray(tokens.open_split(shards, meta, "train"), dtype=np.int64)
     starts = fresh._sampler(np.arange(48))

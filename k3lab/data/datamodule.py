@@ -209,50 +209,22 @@ def unigram_cross_entropy(train: np.ndarray, targets: np.ndarray, vocab_size: in
 # deterministic, resumable sampling
 
 
-class EpochPermutation:
-    """Sample `i` of an endless stream over `n` items: item `perm_e[i % n]` with `e = i // n` and
-    `perm_e` a permutation seeded by `(seed, e)`, so each epoch visits every item once."""
+class SeededBlocks:
+    """Sample `i` of an endless stream: element `i % K` of block `i // K`, each block of K values drawn
+    by `draw(default_rng([seed, block]))`. A pure function of `(seed, i)`, so a resume needs only the
+    step; the last few blocks are cached."""
 
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, block: int, draw):
         if n < 1:
             raise ValueError("nothing to sample from")
-        self.n, self.seed = n, seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._perms[epoch]
-
-    def __call__(self, sample_ids: np.ndarray) -> np.ndarray:
-        epochs, pos = np.divmod(sample_ids, self.n)
-        out = np.empty_like(sample_ids)
-        for e in np.unique(epochs):
-            mask = epochs == e
-            out[mask] = self._perm(int(e))[pos[mask]]
-        return out
-
-
-class RandomWindows:
-    """Sample `i` of an endless stream of window starts, uniform on `0 .. n - 1` with replacement
-    (nanoGPT's `get_batch`): element `i % K` of the block `default_rng([seed, i // K])
-    .integers(0, n, K)`, K = `block`. A pure function of `(seed, i)`, so a resume needs only the
-    step; the blocks replace a permutation of every start, which would not fit in memory for a
-    corpus of billions of tokens."""
-
-    def __init__(self, n: int, seed: int, block: int = 1 << 16):
-        if n < 1:
-            raise ValueError("nothing to sample from")
-        self.n, self.seed, self.block = n, seed, block
+        self.n, self.seed, self.block, self.draw = n, seed, block, draw
         self._blocks: dict[int, np.ndarray] = {}
 
-    def _starts(self, b: int) -> np.ndarray:
+    def _values(self, b: int) -> np.ndarray:
         if b not in self._blocks:
             if len(self._blocks) > 2:
                 self._blocks.pop(min(self._blocks))
-            self._blocks[b] = np.random.default_rng([self.seed, b]).integers(0, self.n, self.block)
+            self._blocks[b] = self.draw(np.random.default_rng([self.seed, b]))
         return self._blocks[b]
 
     def __call__(self, sample_ids: np.ndarray) -> np.ndarray:
@@ -260,8 +232,25 @@ class RandomWindows:
         out = np.empty_like(sample_ids)
         for b in np.unique(blocks):
             mask = blocks == b
-            out[mask] = self._starts(int(b))[pos[mask]]
+            out[mask] = self._values(int(b))[pos[mask]]
         return out
+
+
+class EpochPermutation(SeededBlocks):
+    """Items `0 .. n - 1`, each epoch (block of n) a permutation seeded by `(seed, epoch)`: every epoch
+    visits every item once."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed, n, lambda rng: rng.permutation(n))
+
+
+class RandomWindows(SeededBlocks):
+    """Window starts uniform on `0 .. n - 1` with replacement (nanoGPT's `get_batch`), in blocks of
+    `block` draws: the blocks replace a permutation of every start, which would not fit in memory for a
+    corpus of billions of tokens."""
+
+    def __init__(self, n: int, seed: int, block: int = 1 << 16):
+        super().__init__(n, seed, block, lambda rng: rng.integers(0, n, block))
 
 
 def window_batch(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
