@@ -48,7 +48,9 @@ class GLUConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN."""
+    """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN of width
+    model.ffn_hidden; `dense_matched` = one GLU FFN with the active parameters of latent_norm at these
+    settings (k3lab.model.moe.matched_dense_hidden)."""
     name: str = K3_DEFAULT["moe"]
     n_experts: int = 8           # routed experts before latent scaling
     top_k: int = 2               # experts per token before latent scaling

@@ -34,9 +34,10 @@ SWITCHES: dict[str, Switch] = {
     "residual": Switch(("block_attnres", "full_attnres", "standard"),
                        "residual stream: Attention Residuals over blocks / every sublayer vs PreNorm",
                        "k3lab/model/attnres.py, k3lab/model/residual.py"),
-    "moe": Switch(("latent_norm", "latent", "standard", "dense"),
-                  "FFN: K3's normalised LatentMoE vs LatentMoE vs full-width MoE vs one dense FFN",
-                  "k3lab/model/moe.py"),
+    "moe": Switch(("latent_norm", "latent", "standard", "dense", "dense_matched"),
+                  "FFN: K3's normalised LatentMoE vs LatentMoE vs full-width MoE vs one dense FFN vs a dense FFN "
+                  "with latent_norm's active parameters",
+                  "k3lab/model/moe.py, k3lab/model/k3.py (build_ffn)"),
     "mixer": Switch(("hybrid", "mla", "kda"),
                     "sequence-mixer layout: 3 KDA : 1 gated MLA vs all MLA vs all KDA",
                     "k3lab/config.py (ModelConfig.layer_kinds), k3lab/model/kda.py, k3lab/model/mla.py"),

@@ -25,7 +25,7 @@ from k3lab.config import ModelConfig
 from k3lab.model.ffn import GLU
 from k3lab.model.kda import KDA
 from k3lab.model.mla import GatedMLA
-from k3lab.model.moe import MoE
+from k3lab.model.moe import MoE, matched_dense_hidden
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import build_residual
 from k3lab.model.tags import tags_by_param
@@ -44,8 +44,13 @@ class PreNorm(nn.Module):
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The FFN of one layer: the dense GLU of width ffn_hidden (moe=dense, and the first moe.first_dense
+    layers of the other options), a dense GLU with the active parameters of a latent_norm MoE layer
+    (moe=dense_matched: width matched_dense_hidden), or the MoE."""
     if cfg.moe.name == "dense" or layer < cfg.moe.first_dense:
         return GLU(cfg.width, cfg.ffn_hidden, cfg.glu)
+    if cfg.moe.name == "dense_matched":
+        return GLU(cfg.width, matched_dense_hidden(cfg.width, cfg.moe, cfg.ffn_hidden), cfg.glu)
     return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden)
 
 
