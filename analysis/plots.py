@@ -73,7 +73,10 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
             ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75,
                     marker="o" if few else None, ms=3)
         if x != "step":
-            ax.set_xscale("log")  # matplotlib labels minor ticks itself when the range is under a decade
+            ax.set_xscale("log")
+            lo, hi = ax.get_xlim()
+            if hi > 10 * lo:  # over a decade the 10^k labels suffice; under one, matplotlib labels minor ticks
+                ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(X_LABELS.get(x, x))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)

@@ -155,11 +155,13 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
         cells = t.groupby(keys, dropna=False, sort=False)["n"].sum()
         cell = cells.idxmax() if len(keys) > 1 else (cells.idxmax(),)
         rows = t[np.logical_and.reduce([t[k].astype(str) == str(v) for k, v in zip(keys, cell)])]
-        label = {rid: (o if (rows["option"] == o).sum() == 1 else f"{o} {st}".strip())
-                 for o, st, ids in zip(rows["option"], rows["setting"], rows["run_ids"]) for rid in ids.split(";") if rid}
-        runs = col.runs[col.runs["run_id"].isin(label)].assign(row=lambda d: d["run_id"].map(label))
+        label = {rid: (o if (rows["option"] == o).sum() == 1 else " ".join(x for x in (o, st, rate) if x))
+                 for o, st, rate, ids in zip(rows["option"], rows["setting"], rows["rate"], rows["run_ids"])
+                 for rid in ids.split(";") if rid}  # an option with several rows: each row its own colour
+        runs = col.runs[col.runs["run_id"].isin(label)]
+        runs = runs.assign(**{s: runs["run_id"].map(label)})  # colour by row: the option, with its setting if several
         try:
-            fig = plots.plot_curves(col.curves, runs, "row", metric=metric, order=list(dict.fromkeys(label.values())))
+            fig = plots.plot_curves(col.curves, runs, s, metric=metric, order=list(dict.fromkeys(label.values())))
         except ValueError:
             continue
         where = ", ".join(f"{k}={fmt(v)}" for k, v in zip(keys, cell)
@@ -167,7 +169,7 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
         where = f" ({where})" if where else ""
         rep.figure(fig, f"curves_{s}", f"{metric} by {s} option against step, tokens and FLOPs{where}")
         if s == "balance" or ("balance" not in set(table["switch"]) and s == "moe"):
-            rep.figure(plots.plot_maxvio(col.curves, runs, by="row", order=list(dict.fromkeys(label.values()))),
+            rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=list(dict.fromkeys(label.values()))),
                        f"maxvio_{s}", f"MoE MaxVio by {s} option{where}")
     if "balance" not in set(table["switch"]) and "moe" not in set(table["switch"]):
         rep.figure(plots.plot_maxvio(col.curves, col.runs, by="model"), "maxvio", "MoE MaxVio over training")

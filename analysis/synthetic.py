@@ -65,15 +65,15 @@ def write_run(run_dir: Path, switches: dict, seed: int, n_params: float, tokens:
               rng: np.random.Generator, model: str = "tiny", status: str = "completed", steps: int = 200,
               n_log: int = 20, truncate: bool = False, p: dict = TRUTH, maxvio: Optional[float] = None,
               scale: float = 1.0, noise: float = 0.0, config: Optional[dict] = None,
-              overrides: Sequence[str] = (), tokens_per_s: float = 1e4) -> dict:
+              overrides: Optional[Sequence[str]] = None, tokens_per_s: float = 1e4) -> dict:
     """Write config.yaml, overrides.yaml, metrics.jsonl and summary.json of one synthetic run.
 
     n_params: N, the active non-embedding parameters (the other counts are derived from it). The
     validation curve is law(scale*N, scale*tokens_t) + final_offset + noise (noise fixed per run), logged
     at step 0 and n_log steps after. maxvio: starting MoE MaxVio, decaying over training (omitted when
-    None). config: nested keys merged into config.yaml; overrides: written to overrides.yaml after the
-    switch overrides and `seed=<seed>`. truncate: the last metrics line cut in half (killed mid-write).
-    Returns the summary."""
+    None). config: nested keys merged into config.yaml; overrides: overrides.yaml's list (then `seed=<seed>`),
+    by default the switches that differ from the K3 default. truncate: the last metrics line cut in half
+    (killed mid-write). Returns the summary."""
     run_dir.mkdir(parents=True, exist_ok=True)
     n_params = float(int(n_params))  # a parameter count is an integer: C = 6 N D exactly
     tok_per_step = tokens / steps
@@ -116,8 +116,9 @@ def write_run(run_dir: Path, switches: dict, seed: int, n_params: float, tokens:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     cfg = run_config(switches, seed, model, run_dir.name, run_dir.parent.name, steps, config)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(
-        [f"{k}={v}" for k, v in switches.items() if DEFAULT_BASELINE.get(k) != v] + list(overrides) + [f"seed={seed}"]))
+    if overrides is None:
+        overrides = [f"{k}={v}" for k, v in switches.items() if DEFAULT_BASELINE.get(k) != v]
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump([*overrides, f"seed={seed}"]))
     return summary
 
 
@@ -212,7 +213,8 @@ def write_lr_grid(root: Path, switch: str, optima: dict, lrs=(0.003, 0.006, 0.01
             off = offset + lr_penalty(lr, alr, (lr_best, alr_best)) + seed_eff[s] + rng.normal(0, seed_noise / 4)
             rates = {"lr": lr, "adam_lr": alr} if muon else {"adam_lr": alr}
             write_run(root / rid, sw, s, (n_params or {}).get(opt, 2e6), 5e7, off, rng, config={"optim": rates},
-                      overrides=[f"sweep=tune_{switch}", *(f"optim.{k}={v:g}" for k, v in rates.items())])
+                      overrides=[f"{switch}={opt}", *(f"optim.{k}={v:g}" for k, v in rates.items()),
+                                 f"sweep=tune_{switch}"])  # as a multirun records them: the swept keys, then the rest
             truth[rid] = off
     return truth
 

@@ -385,8 +385,9 @@ def test_tuned_comparison_picks_each_options_rate_on_the_tuning_seeds(tmp_path):
     tuning = tuning_table(ablation_table(runs, tune=True))
     assert len(tuning) == 18 and tuning["chosen"].sum() == 2 and (tuning["n_tune"] == 1).all()
     chosen = tuning[tuning["chosen"]].set_index("option")
-    assert chosen.loc["dense_matched", "command"] == ("python run.py -m moe=dense_matched sweep=tune_moe "
-                                                      "optim.lr=0.012 optim.adam_lr=0.01 seed=0,1,2")
+    assert chosen.loc["dense_matched", "command"] == ("python run.py -m moe=dense_matched optim.lr=0.012 "
+                                                      "optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2")
+    assert chosen.loc["latent_norm", "command"].startswith("python run.py -m moe=latent_norm optim.lr=0.006 ")
     # make latent_norm's best rate look bad on the tuning seed only: the choice moves to a neighbour
     run = runs.index[runs["run_id"] == "moe-latent_norm-lr0.006-alr0.01-s1000"][0]
     runs.loc[run, "loss_val_final"] += 1.0
@@ -400,8 +401,8 @@ def test_tuning_before_the_reported_seeds_prints_their_commands(tmp_path):
     write_lr_grid(tmp_path, "moe", OPTIMA, report_all=False)
     tab = ablation_table(collect([tmp_path], curves=False).runs, tune=True).set_index("option")
     assert (tab["n"] == 0).all() and tab.loc["dense_matched", "verdict"] == "no runs to compare"
-    assert ("no reported seeds at the chosen setting yet: python run.py -m moe=dense_matched sweep=tune_moe "
-            "optim.lr=0.012 optim.adam_lr=0.01 seed=0,1,2") in tab.loc["dense_matched", "warnings"]
+    assert ("no reported seeds at the chosen setting yet: python run.py -m moe=dense_matched optim.lr=0.012 "
+            "optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2") in tab.loc["dense_matched", "warnings"]
 
 
 def test_optimizers_are_tuned_on_their_own_rates(tmp_path):
@@ -558,7 +559,7 @@ def test_tuned_report_has_the_tuning_table(tmp_path):
     write_lr_grid(tmp_path / "runs", "moe", OPTIMA)
     text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--tune", "--formats", "png"]).read_text()
     for needle in ("**Tuned comparison.**", "### Tuning", "optim.lr at the highest of 3 values", "## Headline",
-                   "sweep=tune_moe optim.lr=0.012 optim.adam_lr=0.01 seed=0,1,2"):
+                   "moe=dense_matched optim.lr=0.012 optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2"):
         assert needle in text, needle
     assert pd.read_csv(tmp_path / "rep" / "tuning.csv")["chosen"].sum() == 2
 
