@@ -47,7 +47,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import optimize, stats
+from scipy import stats
 
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
 from analysis.switches import K3_DEFAULT, SWITCH_OPTIONS, SWITCHES
