@@ -135,11 +135,30 @@ def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: flo
     return loggers
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """checkpoints/last.ckpt every `every_n_train_steps` optimizer steps, as ModelCheckpoint, except that at a
+    step that also validates (every `val_every`) it is written after the validation, through Lightning's own
+    deferral to on_validation_end. Written before it, a run killed during that validation would resume
+    after the step and never log the step's validation point."""
+
+    def __init__(self, val_every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.val_every = val_every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if (self._every_n_train_steps > 0 and step % self._every_n_train_steps == 0 and step % self.val_every == 0
+                and trainer.enable_validation and not self._should_skip_saving_checkpoint(trainer)):
+            self._defer_save_until_validation = True
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
     tc = cfg.trainer
-    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                           every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
+    ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                          every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
     return L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, num_nodes=tc.num_nodes,
         precision=tc.precision, max_steps=cfg.train.max_steps, max_epochs=-1,
