@@ -1,5 +1,5 @@
 """Scale-out on Lightning's engines: `trainer=ddp` (DDPStrategy) and `trainer=fsdp` (FSDP2 through
-Lightning's ModelParallelStrategy).
+Lightning's ModelParallelStrategy), plus what a Hydra multirun needs from the processes Lightning starts.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) is applied from outside the model, as in torchtitan: K3Model
 stays plain PyTorch, and `K3LitModule.configure_model` calls `shard_model` once the strategy has built the
@@ -29,10 +29,16 @@ published atomically as checkpoints/last.ckpt (k3lab.rundir.publish_checkpoint; 
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -111,3 +117,60 @@ def build_strategy(tc) -> str | ShardedStrategy:
     if tc.strategy == "fsdp":
         return ShardedStrategy(data_parallel_size=n_processes(tc) * tc.num_nodes)
     return tc.strategy
+
+
+# --- the processes of one run, in a multirun -------------------------------------------------------
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@contextmanager
+def one_job_argv(task_overrides: list[str], multirun: bool) -> Iterator[None]:
+    """While a Hydra job runs, make sys.argv the job's own command (`run.py <its overrides>`).
+
+    Lightning starts the other ranks of a DDP or FSDP run by re-running this script with sys.argv
+    (lightning/fabric/strategies/launchers/subprocess_script.py, `_hydra_subprocess_cmd`: sys.argv[1:]
+    plus hydra.run.dir). In a multirun sys.argv still holds `-m` and the whole sweep, so every worker
+    would run the sweep again (hydra#2070, lightning-hydra-template#393) and print its own sweep table,
+    joining rank 0's jobs only because both walk the same list. With the job's overrides each worker
+    runs exactly its job's config, once, and exits."""
+    argv = sys.argv
+    if multirun:
+        sys.argv = [argv[0], *task_overrides]
+    try:
+        yield
+    finally:
+        sys.argv = argv
+
+
+class JobProcesses:
+    """The processes and process group of one run, ended with it: `end()` once the trainer is done.
+
+    It waits for the worker processes Lightning started for this run (they end with the run; one that
+    has not ended 60 s later is stuck in a collective and is killed), takes them off the list Lightning's
+    child-process observer watches (it would otherwise kill this process when a worker of a failed run
+    exits non-zero, in the middle of the sweep's next job), leaves the process group, and puts back the
+    launch variables Lightning set (LOCAL_RANK etc.: left in place, the next job's trainer would take
+    them for an external launch and wait for workers nobody starts). Nothing to do on one device.
+    """
+
+    def __init__(self) -> None:
+        self.trainer = None  # set once built
+        self._env = {key: os.environ.get(key) for key in LAUNCH_ENV}
+
+    def end(self) -> None:
+        launcher = getattr(getattr(self.trainer, "strategy", None), "launcher", None)
+        procs = getattr(launcher, "procs", None) or []
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        procs.clear()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in self._env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -31,7 +31,7 @@ from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
-from k3lab.parallel import build_strategy, n_processes
+from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.progress import print_final, print_run_header, progress_callback
 from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, checkpoint_step, environment, prepare_run_dir,
@@ -58,6 +58,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                                 "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action},
                       elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
+    job = JobProcesses()  # the worker processes and process group of this run end with it
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
@@ -81,8 +82,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                        flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
         print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
 
-        trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                datamodule.n_val_batches, callbacks)
+        trainer = job.trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
+                                              datamodule.n_val_batches, callbacks)
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -93,7 +94,9 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
         summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
         write_metrics_csv(run_dir)
+        job.end()
         raise
+    job.end()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)

@@ -1,9 +1,10 @@
 """Scale-out on 2 CPU processes (gloo), end to end through run.py: trainer=ddp and trainer=fsdp follow the
 one-process curve over the same global batch (K3 default: optim=muon_per_head, balance=qb; fp32 with fp32
 Newton-Schulz, to 1e-5), an FSDP run killed by SIGKILL after a sharded checkpoint resumes on the
-uninterrupted run's curve; the sharded checkpoint is published atomically."""
+uninterrupted run's curve, and a DDP multirun runs each of its configs once."""
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -113,6 +114,24 @@ def test_fsdp_killed_after_a_checkpoint_resumes_on_the_uninterrupted_curve(runs,
     assert diff < 1e-5, (diff, both)
     print(f"fsdp resumed after SIGKILL: max |curve diff| to the uninterrupted fsdp run {diff:.2e}")
     assert len(list((killed / "checkpoints").iterdir())) == 2  # a torn or older shard directory is gone
+
+
+def test_ddp_multirun_runs_each_config_once(corpus, tmp_path):
+    """Lightning re-runs sys.argv to start rank 1; in a multirun that was the whole sweep, so every worker
+    ran the sweep again and printed a second table. Each worker now runs its one job."""
+    proc = run_cli(["-m", *overrides(corpus, tmp_path, "train.max_steps=2", "train.val_every=2",
+                                     "trainer=ddp", "group=sweep"), *TWO_CPUS, "seed=0,1"])
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log
+    assert len(re.findall(r"\d+ completed, \d+ skipped, \d+ failed", log)) == 1, log  # one sweep table: rank 0's
+    assert "2 completed, 0 skipped, 0 failed" in log, log
+    assert log.count("k3lab run ->") == 2 and log.count("done:") == 2, log
+    run_dirs = [p.parent for p in (tmp_path / "sweep").glob("*/summary.json")]
+    summaries = sorted(((json.loads((d / "summary.json").read_text()), d) for d in run_dirs), key=lambda s: s[0]["seed"])
+    assert [s["seed"] for s, _ in summaries] == [0, 1], run_dirs  # one directory per config
+    for summary, run_dir in summaries:
+        assert (summary["status"], summary["outcome"], summary["steps"]) == ("completed", "new", 2), summary
+        assert [r["step"] for r in rows(run_dir) if "loss/train" in r] == [1, 2]  # trained once
 
 
 def test_sharded_checkpoint_is_published_in_one_rename(tmp_path):
