@@ -163,6 +163,7 @@ class OptimConfig:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
+    ns_dtype: str = "bf16"       # Newton-Schulz precision: bf16 (Muon, Moonlight) or fp32 (exact comparisons)
     weight_decay: float = 0.1
     eps: float = 1e-8
     warmup_steps: int = 50

@@ -2,8 +2,9 @@
 
 Metrics go straight to the trainer's loggers (JsonlLogger, plus wandb when enabled) with explicit
 steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
-The loss is checked for NaN/inf on every step (one host sync per step, and under DDP one all-reduce
-of a flag so every rank stops together): a bad step must fail before the checkpoint callback can save it.
+The loss is checked for NaN/inf on every step (one host sync per step, and under DDP or FSDP one
+all-reduce of a flag so every rank stops together): a bad step must fail before the checkpoint callback
+can save it. Under trainer=fsdp, `configure_model` shards the model (k3lab.parallel).
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from k3lab.config import OptimConfig
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
 from k3lab.optim import lightning_optimizers
+from k3lab.parallel import is_sharded, shard_model
 
 # dense bf16 peak FLOP/s by device-name fragment, for MFU
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -29,13 +32,24 @@ class NonFiniteLossError(RuntimeError):
 
 def check_finite(loss: torch.Tensor, step: int, reduce) -> None:
     """Raise NonFiniteLossError on every rank when the loss is not finite on any rank. `reduce` is the
-    strategy's (tensor, reduce_op) -> tensor: one all-reduce of a flag under DDP, so no rank stops alone
+    strategy's (tensor, reduce_op) -> tensor: one all-reduce of a flag under DDP/FSDP, so no rank stops alone
     and leaves the others waiting in the next collective; the identity on one device."""
     bad = reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), reduce_op="sum")
     if bad > 0:
         raise NonFiniteLossError(
             f"loss is {loss.item()} at step {step} (not finite on {int(bad)} rank(s)); stopping. The last "
             f"good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Clip the gradients of `params` to global L2 norm `max_norm` (inf: only measure); returns the norm
+    before clipping. Gradients may be DTensor shards (FSDP2): their norm is the full gradient's."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()
 
 
 def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
@@ -84,7 +98,7 @@ class K3LitModule(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip).item()
+        self._grad_norm = clip_grad_norm(self.parameters(), clip)
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
@@ -156,6 +170,24 @@ class K3LitModule(L.LightningModule):
         if not math.isfinite(self.last_val["loss/val"]):
             raise NonFiniteLossError(f"validation loss is {self.last_val['loss/val']} at step {self.global_step}")
 
-    # --- optimisation ---------------------------------------------------------------------------
+    # --- sharding and optimisation ----------------------------------------------------------------
+    def configure_model(self):
+        """Under trainer=fsdp (ModelParallelStrategy, which sets `device_mesh`), shard the model over the
+        data-parallel mesh (k3lab.parallel.shard_model), once: Lightning calls this hook again for each
+        trainer.validate/fit. Other strategies pass no mesh, and the model stays as it is.
+
+        The mesh must span every process: the model's own collectives (QB quantiles, router load, the
+        NaN flag; k3lab/distributed.py) pool over the default (world) process group, which is then
+        exactly the data-parallel group."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self.model):
+            return
+        dp = mesh["data_parallel"]
+        if dp.size() != self.trainer.world_size:
+            raise ValueError(f"the data-parallel mesh has {dp.size()} of {self.trainer.world_size} processes; "
+                             "k3lab pools router statistics over all processes, so every process must be a "
+                             "data-parallel rank")
+        shard_model(self.model, dp, bf16=self.trainer.precision == "bf16-mixed")
+
     def configure_optimizers(self):
         return lightning_optimizers(self.model, self.optim_cfg, total_steps=self.max_steps)

@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.load import _METADATA_FILENAME as SHARDED_META  # non-tensor state: loops, global_step
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -40,6 +42,51 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
+
+
+# --- sharded checkpoints (trainer=fsdp): a directory of DCP shards behind the last.ckpt symlink ------
+def checkpoint_version(link: Path, step: int) -> str:
+    """A name beside `link` that no directory has yet, for the shards of the checkpoint at `step`:
+    `<link name>.<step, 8 digits>-<n>`, n counting saves at the same step."""
+    n = 0
+    while (link.parent / f"{link.name}.{step:08d}-{n}").exists():
+        n += 1
+    return f"{link.name}.{step:08d}-{n}"
+
+
+def publish_checkpoint(link: Path, target: Path) -> None:
+    """Point the symlink `link` at the finished checkpoint directory `target` (a sibling) in one rename,
+    then remove every other `<link name>.*` directory: older checkpoints, and any torn by a kill mid-write.
+    The link is relative, so a copied or moved run directory keeps its checkpoint."""
+    tmp = link.with_name(f".{link.name}.link{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)
+    if link.is_dir() and not link.is_symlink():  # a directory of shards in its place (os.replace cannot)
+        shutil.rmtree(link)
+    os.replace(tmp, link)
+    for old in link.parent.glob(f"{link.name}.*"):
+        if old.name != target.name and old.is_dir():
+            shutil.rmtree(old)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete the checkpoint at `path`: a file, or the symlink with every sharded directory beside it."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    for version in path.parent.glob(f"{path.name}.*"):
+        if version.is_dir():
+            shutil.rmtree(version)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint was taken at: from the file itself, or from a sharded checkpoint's
+    meta.pt (the shards are not read)."""
+    path = Path(path)
+    meta = path / SHARDED_META if path.is_dir() else path
+    return torch.load(meta, map_location="cpu", weights_only=False)["global_step"]
 
 
 class JsonlLogger(Logger):
@@ -253,7 +300,8 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     lock_run_dir(run_dir)
     if action == "resume":
         return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
-    for name in ("checkpoints/last.ckpt", "summary.json", "metrics.jsonl", "metrics.csv"):  # checkpoint first
+    remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
+    for name in ("summary.json", "metrics.jsonl", "metrics.csv"):
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

@@ -31,10 +31,11 @@ from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
+from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.progress import print_final, print_run_header, progress_callback
-from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, environment, prepare_run_dir, read_metrics,
-                          truncate_metrics, write_metrics_csv)
+from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, checkpoint_step, environment, prepare_run_dir,
+                          read_metrics, truncate_metrics, write_metrics_csv)
 from k3lab.switches import SWITCHES
 
 
@@ -49,7 +50,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
         return {**plan.previous, "outcome": "skip"}
     cfg, run_dir, ckpt_path = plan.cfg, plan.run_dir, plan.ckpt_path
-    start_step = torch.load(ckpt_path, map_location="cpu", weights_only=False)["global_step"] if ckpt_path else 0
+    start_step = checkpoint_step(ckpt_path) if ckpt_path else 0
     elapsed = truncate_metrics(run_dir, start_step) if ckpt_path else 0.0
     # from here on, any failure is recorded in summary.json
     summary = Summary(run_dir, {"run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
@@ -57,6 +58,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                                 "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action},
                       elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
+    job = JobProcesses()  # the worker processes and process group of this run end with it
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
@@ -68,8 +70,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
-        world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
-        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
+        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
         module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
                              tokens_per_step, fpt)
@@ -81,8 +82,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                        flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
         print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
 
-        trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                datamodule.n_val_batches, callbacks)
+        trainer = job.trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
+                                              datamodule.n_val_batches, callbacks)
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -93,7 +94,9 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
         summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
         write_metrics_csv(run_dir)
+        job.end()
         raise
+    job.end()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
@@ -109,6 +112,10 @@ def quiet_lightning() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*treespec.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # FSDP2 warns that a sublayer returns a view (e.g. MoE's reshape), whose pre-backward hook an in-place op
+    # would drop; the residual stream only ever adds sublayer outputs out of place (tests/test_fsdp.py
+    # checks every gradient against one process)
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def deterministic_mode(tc: DictConfig) -> bool | str:
@@ -135,13 +142,32 @@ def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: flo
     return loggers
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """checkpoints/last.ckpt every `every_n_train_steps` optimizer steps, as ModelCheckpoint, except that at a
+    step that also validates (every `val_every`) it is written after the validation, through Lightning's own
+    deferral to on_validation_end. Written before it, a run killed during that validation would resume
+    after the step and never log the step's validation point."""
+
+    def __init__(self, val_every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.val_every = val_every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if (self._every_n_train_steps > 0 and step % self._every_n_train_steps == 0 and step % self.val_every == 0
+                and trainer.enable_validation and not self._should_skip_saving_checkpoint(trainer)):
+            self._defer_save_until_validation = True
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
     tc = cfg.trainer
-    ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                           every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
+    ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                          every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
     return L.Trainer(
-        accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, num_nodes=tc.num_nodes,
+        accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
         precision=tc.precision, max_steps=cfg.train.max_steps, max_epochs=-1,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
         limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,

@@ -113,29 +113,6 @@ def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
         assert abs(loss - ref_train[step]) < 1e-5, (step, loss, ref_train[step], both)
 
 
-def test_ddp_on_two_cpu_processes_equals_one_process_with_the_doubled_batch(corpus, tmp_path):
-    """trainer=ddp, 2 CPU processes (gloo): rank r's batch s is slice r of the one-process batch of twice
-    the size, gradients are averaged and the QB quantile pooled, so the curve must be that run's. The
-    worker Lightning starts leaves the run directory to rank 0 (no overwrite needed) and prints nothing."""
-    steps = ["train.max_steps=4", "train.val_every=2", "optim.warmup_steps=2"]
-    single = run_inprocess(overrides(corpus, tmp_path, *steps, "data.batch_size=8", "run_name=single"))
-    ddp = run_cli(overrides(corpus, tmp_path, *steps, "trainer=ddp", "trainer.accelerator=cpu",
-                            "trainer.devices=2", "trainer.precision=32-true", "run_name=ddp"))
-    log = ddp.communicate(timeout=600)[0]
-    assert ddp.returncode == 0, log
-    assert log.count("done:") == 1 and log.count("step 4/4") == 1, log
-    summary = json.loads((tmp_path / "default" / "ddp" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["tokens"] == single["tokens"] == 4 * 8 * 32
-    def curve(name):
-        return {(r["step"], k): r[k] for r in rows(tmp_path / "default" / name) for k in ("loss/train", "loss/val")
-                if k in r}
-
-    want, got = curve("single"), curve("ddp")
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert abs(got[key] - value) < 1e-3, (key, got[key], value)  # bf16 Newton-Schulz amplifies reduction order
-
-
 def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
     """benchmarks.qb_lag rides along as a callback: the run's curve is bit-identical to a plain run, its
     `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
