@@ -7,6 +7,7 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
     data            k3lab.data.K3DataModule
     model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
+    run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
     loggers         metrics.jsonl (+ wandb)
     trainer         Lightning, with the checkpoint callback and the progress display
 """
@@ -26,6 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from k3lab.budget import length_key, run_length
 from k3lab.config import DataConfig, OptimConfig, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token
@@ -43,7 +45,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     whose `outcome` says how this process started the run (new, resume or restart; skip when it found the
     run completed and did nothing: see prepare_run_dir)."""
     quiet_lightning()
-    deterministic_mode(cfg.trainer)  # a bad value fails here, before any run directory exists
+    deterministic_mode(cfg.trainer)  # bad values fail here, before any run directory exists
+    length_key(cfg.train)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -71,18 +74,20 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
-        module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
+        counts = model.param_counts()
+        length = run_length(cfg.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
+        module = K3LitModule(model, typed(OptimConfig, cfg.optim), length.max_steps, cfg.train.log_every,
                              tokens_per_step, fpt)
         module.elapsed_offset = elapsed
-        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt,
-                     train_tokens=datamodule.train_tokens)
+        known.update(counts=counts, tokens_per_step=tokens_per_step, fpt=fpt, train_tokens=datamodule.train_tokens)
         summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
-                       tokens_per_step=tokens_per_step, max_steps=cfg.train.max_steps, **known["counts"],
-                       flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
-        print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
+                       tokens_per_step=tokens_per_step, max_steps=length.max_steps, length_from=length.set_by,
+                       tokens_per_param=cfg.train.get("tokens_per_param"), flop_budget=cfg.train.get("flop_budget"),
+                       **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
+        print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                datamodule.n_val_batches, callbacks)
+                                datamodule.n_val_batches, length.max_steps, callbacks)
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -135,18 +140,19 @@ def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: flo
     return loggers
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
+def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int, max_steps: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
+    """The Lightning trainer of a run of `max_steps` optimizer steps (k3lab.budget.run_length)."""
     tc = cfg.trainer
     ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                            every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
     return L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, num_nodes=tc.num_nodes,
-        precision=tc.precision, max_steps=cfg.train.max_steps, max_epochs=-1,
+        precision=tc.precision, max_steps=max_steps, max_epochs=-1,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
         limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
         overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
-        callbacks=[ckpt, progress_callback(cfg.train.max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
+        callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
         enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
         deterministic=deterministic_mode(tc),
     )
