@@ -9,7 +9,8 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
     run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
     loggers         metrics.jsonl (+ wandb)
-    trainer         Lightning, with the checkpoint callback and the progress display
+    trainer         Lightning, with the checkpoint callback, the progress display and the preemption
+                    checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
+from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
 from k3lab.progress import print_final, print_run_header, progress_callback
 from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, environment, prepare_run_dir, read_metrics,
                           truncate_metrics, write_metrics_csv)
@@ -47,6 +49,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     quiet_lightning()
     deterministic_mode(cfg.trainer)  # bad values fail here, before any run directory exists
     length_key(cfg.train)
+    if cfg.train.get("preempt_signal"):
+        signal_number(cfg.train.preempt_signal)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -60,6 +64,9 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                                 "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action},
                       elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
+    preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", cfg.train.get("preempt_signal"),
+                                      cfg.train.log_every)
+    preemption.install()
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
@@ -87,7 +94,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                datamodule.n_val_batches, length.max_steps, callbacks)
+                                datamodule.n_val_batches, length.max_steps, [preemption, *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -98,7 +105,13 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
         summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
         write_metrics_csv(run_dir)
+        if isinstance(err, Preempted):
+            rank_zero_only(print)(f"{run_dir}: {err}")
+            preemption.restore()
+            preemption.hand_over()  # under submitit: requeue the job and exit
         raise
+    finally:
+        preemption.restore()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
