@@ -1,19 +1,29 @@
-"""Runs that survive preemption (k3lab/preempt.py), on the CPU: the preemption signal saves a run at its
-next logging step; the same command continues the same curve."""
+"""Sweeps on other launchers (conf/hydra/launcher/, k3lab/preempt.py, k3lab/sweep.py), all on the CPU:
+
+- the preemption signal saves a run at its next logging step; the same command continues the same curve;
+- hydra/launcher=slurm_local (submitit's local executor, the SLURM job path without SLURM): a job that gets
+  the signal a preemption sends is requeued by submitit and ends with the uninterrupted run's losses;
+- hydra/launcher=slurm becomes the sbatch script it promises (time, GPUs, tasks, warning signal, requeue);
+- hydra/launcher=joblib gives each parallel job its own device, and every launcher ends with the table.
+"""
 import json
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
 import pytest
+import submitit
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from k3lab.preempt import Preempted
 from k3lab.train import train
 
-from test_train import FAST, ROOT, rows
+from test_train import FAST, ROOT, rows, run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +102,97 @@ def test_preemption_signal_saves_at_the_next_logging_step_and_the_same_command_r
     assert (resumed["status"], resumed["outcome"], resumed["steps"]) == ("completed", "resume", 12)
     assert sorted(losses(cut, "loss/train")) == [3, 6, 9, 12]
     same_curve(cut, tmp_path / "default" / "whole")
+
+
+def test_slurm_local_job_preempted_by_its_signal_is_requeued_and_ends_on_the_same_curve(corpus, tmp_path):
+    """The SLURM job path on the CPU: `python run.py -m hydra/launcher=slurm_local ...` runs the run in a
+    submitit job; SIGUSR2 (what SLURM sends before a time limit or at preemption) reaches the training
+    process; with no periodic checkpoint (ckpt_every > max_steps) the run saves at the next step, submitit
+    requeues the job with the same overrides, the new job resumes from that step, and the run ends with every
+    loss of an uninterrupted run."""
+    out = tmp_path / "runs"
+    common = args(corpus, out, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=1000")
+    run_inprocess([*common, "run_name=whole"])
+    sweep = run_cli(["-m", "hydra/launcher=slurm_local", *common, "group=slurm", "run_name=cut"],
+                    start_new_session=True)
+    run_dir = out / "slurm" / "cut"
+    try:
+        deadline = time.time() + 120
+        while sweep.poll() is None and time.time() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir, "loss/train"), default=0) >= 3:
+                break
+            time.sleep(0.02)
+        assert not (run_dir / "checkpoints" / "last.ckpt").exists()
+        job = int((run_dir / ".lock").read_text())  # the process training into the run directory
+        os.kill(job, signal.SIGUSR2)
+        log = sweep.communicate(timeout=300)[0]
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    job_log = "\n".join(p.read_text() for p in sorted((out / "slurm" / ".submitit").rglob("*_log.*")))
+    both = f"sweep:\n{log}\njob:\n{job_log}"
+    assert sweep.returncode == 0, both
+    saved = re.search(r"SIGUSR2 received: checkpoint saved at step (\d+), stopping", job_log)
+    assert saved and 3 <= int(saved[1]) < 16, both
+    assert "Requeued job" in job_log, both  # submitit's requeue, not a re-launch by hand
+    assert f"resuming {run_dir} from step {saved[1]} (it had failed)" in job_log, both
+    assert "completed (resumed)" in log, both  # the sweep's table, read back from the job's row
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["outcome"], summary["steps"]) == ("completed", "resume", 16), both
+    same_curve(run_dir, out / "default" / "whole")
+
+
+def test_slurm_preset_becomes_the_sbatch_script_it_promises(tmp_path, monkeypatch):
+    """hydra/launcher=slurm through the submitit plugin's own launch, up to the sbatch script (nothing is
+    submitted): time limit, one GPU and one task, SIGUSR2 120 s before the limit, --requeue, 20 requeues."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit's test for a SLURM cluster: srun on PATH
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    executors = []
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda self, fn, *a: executors.append(self) or [])
+    cfg = compose_run(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", f"out_dir={tmp_path}"], hydra=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.setup(hydra_context=None, task_function=None, config=cfg)
+    assert launcher.launch([["seed=0"]], initial_job_idx=0) == []
+    [executor] = executors
+    script = executor._executor._make_submission_file_text("python -u -m submitit.core._submit", "uid")
+    for line in ("--time=240", "--gpus-per-node=1", "--ntasks-per-node=1", "--cpus-per-task=8",
+                 "--signal=USR2@120", "--partition=gpu"):
+        assert f"#SBATCH {line}\n" in script, script
+    assert "#SBATCH --requeue\n" in script, script
+    assert executor._executor.max_num_timeout == 20
+
+
+def test_joblib_gives_each_parallel_job_its_own_device_and_the_sweep_its_table(corpus, tmp_path):
+    """Three runs, two at a time: each worker process claims one device of the list for its life, so every
+    run saw exactly one device (CUDA_VISIBLE_DEVICES, recorded in summary.json), runs of one worker the same,
+    the two workers different ones; the launching process prints the table of all three."""
+    out = tmp_path / "runs"
+    sweep = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                     "hydra.callbacks.device_per_job.devices=[3,5]", "seed=0,1,2", "group=j",
+                     *args(corpus, out, "train.max_steps=2", "train.val_every=2")])
+    log = sweep.communicate(timeout=600)[0]
+    assert sweep.returncode == 0, log
+    assert "3 completed, 0 skipped, 0 failed" in log, log
+    seen = {}  # worker pid -> devices its runs saw
+    for summary_path in (out / "j").glob("*/summary.json"):
+        summary = json.loads(summary_path.read_text())
+        assert summary["status"] == "completed"
+        pid = int((summary_path.parent / ".lock").read_text())
+        seen.setdefault(pid, set()).add(summary["cuda_visible_devices"])
+    assert sum(1 for _ in (out / "j").glob("*/summary.json")) == 3
+    assert len(seen) == 2, seen
+    assert all(len(devices) == 1 for devices in seen.values()), seen
+    assert set.union(*seen.values()) == {"3", "5"}, seen
+
+
+def test_joblib_with_more_parallel_jobs_than_devices_stops_before_any_run(corpus, tmp_path):
+    sweep = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3",
+                     "hydra.callbacks.device_per_job.devices=[0,1]", "seed=0,1,2",
+                     *args(corpus, tmp_path, "train.max_steps=2")])
+    log = sweep.communicate(timeout=300)[0]
+    assert sweep.returncode != 0
+    assert "hydra.launcher.n_jobs=3 runs 3 jobs at once but there are 2 GPUs (0,1)" in log, log
+    assert not list(tmp_path.glob("*/*/summary.json"))
