@@ -116,12 +116,14 @@ def test_slurm_local_job_preempted_by_its_signal_is_requeued_and_ends_on_the_sam
     sweep = run_cli(["-m", "hydra/launcher=slurm_local", *common, "group=slurm", "run_name=cut"],
                     start_new_session=True)
     run_dir = out / "slurm" / "cut"
+    def trained_steps() -> int:
+        return max(losses(run_dir, "loss/train"), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+
     try:
-        deadline = time.time() + 120
-        while sweep.poll() is None and time.time() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and max(losses(run_dir, "loss/train"), default=0) >= 3:
-                break
+        deadline = time.time() + 300
+        while sweep.poll() is None and time.time() < deadline and trained_steps() < 3:
             time.sleep(0.02)
+        assert 3 <= trained_steps() < 16, f"the job did not reach step 3 while running (exit {sweep.poll()})"
         assert not (run_dir / "checkpoints" / "last.ckpt").exists()
         job = int((run_dir / ".lock").read_text())  # the process training into the run directory
         os.kill(job, signal.SIGUSR2)
