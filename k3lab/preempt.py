@@ -77,8 +77,8 @@ class PreemptionCheckpoint(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self.saved_at is not None or step % self.log_every or step >= trainer.max_steps:
-            return  # near the end the run finishes instead
+        if self.signum is None or self.saved_at is not None or step % self.log_every or step >= trainer.max_steps:
+            return  # off, already saved, not a logging step, or the last step (the run finishes instead)
         if trainer.strategy.reduce_boolean_decision(self.received, all=False):
             trainer.save_checkpoint(self.ckpt_path)
             self.saved_at = step
