@@ -68,7 +68,8 @@ def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_tok
         table.add_row(key.replace("_", " "), f"{value:,}")
     table.add_row("FLOPs / token", f"{flops_per_token:.3e}")
     table.add_row("tokens / step", f"{tokens_per_step:,}")
-    by = "" if length.set_by in ("max_steps", "default_steps") else f" (train.{length.set_by}={cfg.train[length.set_by]})"
+    by = f" (train.{length.set_by}={cfg.train[length.set_by]})" if length.set_by in ("tokens_per_param",
+                                                                                  "flop_budget") else ""
     table.add_row("steps", f"{length.max_steps:,}{by}")
     table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * length.max_steps:.3e}")
     table.add_row("unigram entropy", f"{unigram_entropy:.4f} nats (the loss of a frequency-only model)")

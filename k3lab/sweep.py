@@ -165,9 +165,9 @@ class DevicePerJob(Callback):
 
         n_jobs = effective_n_jobs(config.hydra.launcher.n_jobs)
         if n_jobs > len(share):
-            raise SweepSetupError(f"hydra.launcher.n_jobs={config.hydra.launcher.n_jobs} runs {n_jobs} jobs at once but "
-                             f"there are {len(share)} GPUs ({','.join(share)}) and each job takes one: pass "
-                             f"hydra.launcher.n_jobs={len(share)} (or fewer)")
+            raise SweepSetupError(f"hydra.launcher.n_jobs={config.hydra.launcher.n_jobs} runs {n_jobs} jobs at once "
+                                  f"but there are {len(share)} GPUs ({','.join(share)}) and each job takes one: "
+                                  f"pass hydra.launcher.n_jobs={len(share)} (or fewer)")
         self.share = share
         self.claims = Path(str(config.hydra.sweep.dir)).resolve() / ".sweep" / "devices"
 
