@@ -167,6 +167,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     eps: float = 1e-8
     warmup_steps: int = 50
+    warmup_frac: Optional[float] = None  # set: the warm-up is this fraction of the run's steps (replaces warmup_steps)
     min_lr_ratio: float = 0.1    # cosine decays to this fraction of the peak
     grad_clip: float = 1.0
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from k3lab.budget import RunLength
 from k3lab.switches import SWITCHES
 
 
@@ -58,7 +59,7 @@ def progress_callback(max_steps: int) -> Callback:
 
 @rank_zero_only
 def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_token: float,
-                     unigram_entropy: float, tokens_per_step: int) -> None:
+                     unigram_entropy: float, tokens_per_step: int, length: RunLength) -> None:
     table = Table(title=f"k3lab run -> {run_dir}", show_header=False)
     for switch in SWITCHES:
         table.add_row(switch, str(cfg[switch].name))
@@ -67,7 +68,10 @@ def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_tok
         table.add_row(key.replace("_", " "), f"{value:,}")
     table.add_row("FLOPs / token", f"{flops_per_token:.3e}")
     table.add_row("tokens / step", f"{tokens_per_step:,}")
-    table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * cfg.train.max_steps:.3e}")
+    by = f" (train.{length.set_by}={cfg.train[length.set_by]})" if length.set_by in ("tokens_per_param",
+                                                                                  "flop_budget") else ""
+    table.add_row("steps", f"{length.max_steps:,}{by}")
+    table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * length.max_steps:.3e}")
     table.add_row("unigram entropy", f"{unigram_entropy:.4f} nats (the loss of a frequency-only model)")
     Console(width=110).print(table)
 

@@ -160,6 +160,7 @@ def environment() -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "lightning": lightning.__version__},
         "device": device,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as the launcher set it (joblib, SLURM)
     }
 
 

@@ -7,8 +7,10 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
     data            k3lab.data.K3DataModule
     model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
+    run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
     loggers         metrics.jsonl (+ wandb)
-    trainer         Lightning, with the checkpoint callback and the progress display
+    trainer         Lightning, with the checkpoint callback, the progress display and the preemption
+                    checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from k3lab.budget import length_key, run_length
 from k3lab.config import DataConfig, OptimConfig, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token
@@ -33,6 +36,7 @@ from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
 from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
+from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
 from k3lab.progress import print_final, print_run_header, progress_callback
 from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, checkpoint_step, environment, prepare_run_dir,
                           read_metrics, truncate_metrics, write_metrics_csv)
@@ -44,7 +48,10 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     whose `outcome` says how this process started the run (new, resume or restart; skip when it found the
     run completed and did nothing: see prepare_run_dir)."""
     quiet_lightning()
-    deterministic_mode(cfg.trainer)  # a bad value fails here, before any run directory exists
+    deterministic_mode(cfg.trainer)  # bad values fail here, before any run directory exists
+    length_key(cfg.train)
+    if cfg.train.get("preempt_signal"):
+        signal_number(cfg.train.preempt_signal)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -59,6 +66,9 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                       elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
     job = JobProcesses()  # the worker processes and process group of this run end with it
+    preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", cfg.train.get("preempt_signal"),
+                                      cfg.train.log_every)
+    preemption.install()
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
@@ -72,18 +82,20 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         model = K3Model(model_config(cfg, datamodule.vocab_size))
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
-        module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
+        counts = model.param_counts()
+        length = run_length(cfg.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
+        module = K3LitModule(model, typed(OptimConfig, cfg.optim), length.max_steps, cfg.train.log_every,
                              tokens_per_step, fpt)
         module.elapsed_offset = elapsed
-        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt,
-                     train_tokens=datamodule.train_tokens)
+        known.update(counts=counts, tokens_per_step=tokens_per_step, fpt=fpt, train_tokens=datamodule.train_tokens)
         summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
-                       tokens_per_step=tokens_per_step, max_steps=cfg.train.max_steps, **known["counts"],
-                       flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
-        print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
+                       tokens_per_step=tokens_per_step, max_steps=length.max_steps, length_from=length.set_by,
+                       tokens_per_param=cfg.train.get("tokens_per_param"), flop_budget=cfg.train.get("flop_budget"),
+                       **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
+        print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         trainer = job.trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                              datamodule.n_val_batches, callbacks)
+                                              datamodule.n_val_batches, length.max_steps, [preemption, *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -95,7 +107,13 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
         write_metrics_csv(run_dir)
         job.end()
+        if isinstance(err, Preempted):
+            rank_zero_only(print)(f"{run_dir}: {err}")
+            preemption.restore()
+            preemption.hand_over()  # under submitit: requeue the job and exit
         raise
+    finally:
+        preemption.restore()
     job.end()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
@@ -161,18 +179,19 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
+def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int, max_steps: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
+    """The Lightning trainer of a run of `max_steps` optimizer steps (k3lab.budget.run_length)."""
     tc = cfg.trainer
     ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                           every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
     return L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
-        precision=tc.precision, max_steps=cfg.train.max_steps, max_epochs=-1,
+        precision=tc.precision, max_steps=max_steps, max_epochs=-1,
         val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
         limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
         overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
-        callbacks=[ckpt, progress_callback(cfg.train.max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
+        callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
         enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
         deterministic=deterministic_mode(tc),
     )

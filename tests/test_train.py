@@ -179,7 +179,7 @@ def test_trainer_deterministic_switch_sets_torch_deterministic_algorithms(tmp_pa
     before = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(not enabled)
-        build_trainer(cfg, tmp_path, loggers=[], n_val_batches=1)
+        build_trainer(cfg, tmp_path, loggers=[], n_val_batches=1, max_steps=4)
         assert torch.are_deterministic_algorithms_enabled() is enabled
     finally:
         torch.use_deterministic_algorithms(before)

@@ -4,7 +4,7 @@ One optimizer (`Muon`, whose AdamW groups cover the non-matrix tensors) and one 
 per run, so the LightningModule keeps automatic optimisation:
 
     def configure_optimizers(self):
-        return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.cfg.trainer.max_steps)
+        return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.max_steps)
 
 Options (`optim.name`):
 - muon_per_head: Muon on hidden matrices, Newton-Schulz per head on weights tagged `head_blocks`
@@ -91,6 +91,18 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The run's warm-up in steps: `warmup_frac` of total_steps rounded to the nearest step (at least 1)
+    when it is set, else `warmup_steps`. A budget-sized run (k3lab.budget) thus warms up over the same
+    share of its length at every size."""
+    if cfg.warmup_frac is None:
+        return cfg.warmup_steps
+    if not 0 <= cfg.warmup_frac < 1:
+        raise ValueError(f"optim.warmup_frac={cfg.warmup_frac} must be in [0, 1)")
+    steps = round(cfg.warmup_frac * total_steps)
+    return max(steps, 1) if cfg.warmup_frac > 0 else 0
+
+
 def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
     """Multiplier of the peak LR for optimizer step s (0-based): linear warmup (s+1)/warmup reaching 1
     at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after.
@@ -112,7 +124,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
                     ) -> tuple[Muon, torch.optim.lr_scheduler.LambdaLR]:
     """The run's optimizer and its per-step scheduler (call `scheduler.step()` after each `opt.step()`)."""
     opt = Muon(param_groups(model, cfg))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps(cfg, total_steps), total_steps,
+                                                             cfg.min_lr_ratio))
     return opt, sched
 
 
