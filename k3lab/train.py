@@ -72,7 +72,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
         module = K3LitModule(model, typed(OptimConfig, cfg.optim), cfg.train.max_steps, cfg.train.log_every,
-                             tokens_per_step, fpt)
+                             tokens_per_step, fpt, ckpt_every=cfg.train.ckpt_every)
         module.elapsed_offset = elapsed
         known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt,
                      train_tokens=datamodule.train_tokens)

@@ -161,13 +161,13 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(cor
     original = K3Model.forward
     training_calls = []
 
-    def nan_from_step_4(self, tokens):
-        logits = original(self, tokens)
+    def nan_from_step_4(self, tokens, targets=None):
+        out = original(self, tokens, targets)
         if self.training:
             training_calls.append(1)
             if len(training_calls) > 4:  # the forward of optimizer step 4 (0-based) and later
-                return logits * float("nan")
-        return logits
+                return out._replace(sum=out.sum * float("nan"))
+        return out
 
     monkeypatch.setattr(K3Model, "forward", nan_from_step_4)
     with pytest.raises(NonFiniteLossError, match="at step 4"):
@@ -176,6 +176,134 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(cor
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "NonFiniteLossError" in summary["error"]
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_non_finite_loss_between_reads_stops_before_the_next_checkpoint(corpus, tmp_path, monkeypatch):
+    """log_every=5, ckpt_every=3: the device is read at steps 3, 5, 6, 9 and 10 (1-based, after the step). A NaN
+    loss from the 7th step (step 6, 0-based) on is found at the read of the 9th, which stops the run before its
+    optimizer step and checkpoint: the kept checkpoint is the one of step 6, all finite."""
+    original = K3Model.forward
+    training_calls = []
+
+    def nan_from_step_6(self, tokens, targets=None):
+        out = original(self, tokens, targets)
+        if self.training:
+            training_calls.append(1)
+            if len(training_calls) > 6:
+                return out._replace(sum=out.sum * float("nan"))
+        return out
+
+    monkeypatch.setattr(K3Model, "forward", nan_from_step_6)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 6 \(not finite on 1 rank"):
+        run_inprocess(overrides(corpus, tmp_path, "train.max_steps=10", "train.log_every=5", "train.ckpt_every=3",
+                                "run_name=nan_late"))
+    assert len(training_calls) == 9  # stopped at the read of the 9th step, not at the log step 10
+    ckpt = torch.load(tmp_path / "default" / "nan_late" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    assert [r["step"] for r in rows(tmp_path / "default" / "nan_late") if "loss/train" in r] == [5]
+
+
+def test_non_finite_loss_before_an_early_stop_is_read_at_the_end(corpus, tmp_path, monkeypatch):
+    """A callback stops training after step 3 (1-based), between reads (log_every=5, ckpt_every=2): the
+    validation that follows reads the NaN loss of step 2 (0-based) first, and train() saves no checkpoint."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StopAfter3(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    original = K3Model.forward
+    training_calls = []
+
+    def nan_from_step_2(self, tokens, targets=None):
+        out = original(self, tokens, targets)
+        if self.training:
+            training_calls.append(1)
+            if len(training_calls) > 2:
+                return out._replace(sum=out.sum * float("nan"))
+        return out
+
+    monkeypatch.setattr(K3Model, "forward", nan_from_step_2)
+    args = overrides(corpus, tmp_path, "train.max_steps=10", "train.log_every=5", "train.ckpt_every=2",
+                     "run_name=nan_stop")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    with pytest.raises(NonFiniteLossError, match=r"^loss is nan at step 2 "):
+        train(cfg, overrides=args, callbacks=[StopAfter3()])
+    assert len(training_calls) == 3
+    ckpt = torch.load(tmp_path / "default" / "nan_stop" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward; NaN gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_non_finite_gradient_with_a_finite_loss_stops_the_run(corpus, tmp_path, monkeypatch):
+    """A finite loss whose gradient is NaN (from step 3 on) stops the run before that step's update is
+    saved: checking the loss alone would let the checkpoint of step 4 hold NaN weights."""
+    original = K3Model.forward
+    training_calls = []
+
+    def nan_gradient_from_step_3(self, tokens, targets=None):
+        out = original(self, tokens, targets)
+        if self.training:
+            training_calls.append(1)
+            if len(training_calls) > 3:
+                return out._replace(sum=_NaNGradient.apply(out.sum))
+        return out
+
+    monkeypatch.setattr(K3Model, "forward", nan_gradient_from_step_3)
+    with pytest.raises(NonFiniteLossError, match="gradient norm is nan at step 3"):
+        run_inprocess(overrides(corpus, tmp_path, "train.max_steps=6", "train.log_every=2", "train.ckpt_every=2",
+                                "run_name=nan_grad"))
+    ckpt = torch.load(tmp_path / "default" / "nan_grad" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+
+
+def test_training_reads_the_device_only_at_log_and_checkpoint_steps(corpus, tmp_path, monkeypatch):
+    """Reads of a tensor's value on the host (item, tolist, bool, float, int) by the training module and the
+    model, counted per training step (1-based): with log_every=4 and ckpt_every=3 over 8 steps, exactly one, at
+    steps 3, 4, 6 and 8, none at the others. Dense FFN: MoE balancing reads its expert counts every step."""
+    from collections import Counter
+
+    from lightning.pytorch.callbacks import Callback
+
+    reads, current = Counter(), {"step": None}
+
+    class Where(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            current["step"] = trainer.global_step + 1
+
+        def on_validation_start(self, trainer, pl_module):
+            current["step"] = None
+
+    ours = (str(ROOT / "k3lab" / "lit.py"), str(ROOT / "k3lab" / "model"))
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        def counting(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            if current["step"] is not None and sys._getframe(1).f_code.co_filename.startswith(ours):
+                reads[current["step"]] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    args = overrides(corpus, tmp_path, "moe=dense", "train.max_steps=8", "train.log_every=4", "train.ckpt_every=3",
+                     "train.val_every=8", "run_name=reads")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    train(cfg, overrides=args, callbacks=[Where()])
+    assert dict(reads) == {3: 1, 4: 1, 6: 1, 8: 1}
+    assert [r["step"] for r in rows(tmp_path / "default" / "reads") if "loss/train" in r] == [4, 8]
 
 
 @pytest.mark.parametrize("arg, expected", [
@@ -220,3 +348,4 @@ def test_overfit_one_batch_drives_the_training_loss_to_zero(corpus, tmp_path):
                             "run_name=of"))
     train_losses = [r["loss/train"] for r in rows(tmp_path / "debug" / "of") if "loss/train" in r]
     assert train_losses[0] > 4.0 and train_losses[-1] < 0.1
+

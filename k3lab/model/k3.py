@@ -99,7 +99,7 @@ class K3Model(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the router auxiliary losses of the last forward (0 unless balance=aux)."""
-        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=self.embed.weight.device))
 
     @torch.no_grad()
     def update_router_biases(self) -> None:
