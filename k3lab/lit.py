@@ -15,6 +15,9 @@ and stops before its update, so checkpoints/last.ckpt keeps the last weights of 
 Reading at the log and checkpoint steps, rather than keeping a device-side flag that skips bad updates,
 costs no sync beyond the one logging needs and keeps the optimizer's code as it is. Validation sums its
 loss, hits and counts on the device and reads them once, at its end.
+
+train.compile compiles the model (k3lab.train.compile_mode); training steps run it compiled, validation
+eagerly (validation_step says why).
 """
 from __future__ import annotations
 
@@ -186,8 +189,12 @@ class K3LitModule(L.LightningModule):
         self.model.residual.record = True  # depth diagnostics (output RMS per sublayer, AttnRes weights)
 
     def validation_step(self, batch, batch_idx):
+        """Eager even when the model is compiled: dynamo would otherwise add inference graphs (and, with the
+        depth recording on, graphs of its own) to every compiled frame, which with graph-breaking sublayers
+        (MoE) passes its recompile limit; validation is a small share of a run's steps."""
         x, y = batch
-        out = self.model(x, y)
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model(x, y)
         totals = torch.stack([out.sum.double(), out.correct.double(), out.count.double()])
         self._val_totals = totals if self._val_totals is None else self._val_totals + totals
 

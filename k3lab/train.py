@@ -5,7 +5,8 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
 
     run directory   k3lab.rundir.prepare_run_dir   (new, or the one being resumed)
     data            k3lab.data.K3DataModule
-    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone
+    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone;
+                                                   model.compile() when train.compile is on
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
     loggers         metrics.jsonl (+ wandb)
     trainer         Lightning, with the checkpoint callback and the progress display
@@ -44,6 +45,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     run completed and did nothing: see prepare_run_dir)."""
     quiet_lightning()
     deterministic_mode(cfg.trainer)  # a bad value fails here, before any run directory exists
+    compile_mode(cfg)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -68,6 +70,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
+        if compile_mode(cfg):
+            model.compile(backend=cfg.train.compile_backend)
         world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
@@ -120,6 +124,19 @@ def deterministic_mode(tc: DictConfig) -> bool | str:
         return tc.accelerator == "cpu"
     if mode not in (True, False, "warn"):
         raise ValueError(f"trainer.deterministic={mode!r} is not an option; valid options: null, true, false, warn")
+    return mode
+
+
+def compile_mode(cfg: DictConfig) -> bool:
+    """Whether the model is compiled, from train.compile: null means on for GPUs and off for the CPU (where
+    compiling a small model costs more than it saves); true and false are passed through. The model is
+    compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
+    parameter names, state dicts and checkpoints are those of the eager model."""
+    mode = cfg.train.get("compile")
+    if mode is None:
+        return cfg.trainer.accelerator != "cpu"
+    if mode not in (True, False):
+        raise ValueError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
     return mode
 
 
