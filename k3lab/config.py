@@ -94,6 +94,7 @@ class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
     checkpoint_kda: bool = False    # any backend: rerun each KDA call in the backward, keep only its inputs
+    ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
 
 
 @dataclass
@@ -148,6 +149,8 @@ class ModelConfig:
         for switch in ("decay", "glu", "balance", "residual", "moe", "mixer"):
             check_option(switch, getattr(self, switch).name)
         check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
+        if self.kernels.ce_chunk < 0:
+            raise ValueError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
         if self.width % self.head_dim:
             raise ValueError(f"model width {self.width} is not a multiple of head_dim {self.head_dim}")
         return self

@@ -5,6 +5,7 @@ few percent of the run instead of carriage-return redraws.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ from k3lab.switches import SWITCHES
 
 
 class LineProgress(Callback):
-    """Prints `step 120/600 (20%) | loss 5.123 | 14.2k tok/s | elapsed 0:31 | eta 2:04` about 20 times a run."""
+    """Prints `step 120/600 (20%) | loss 5.123 | 14.2k tok/s | elapsed 0:31 | eta 2:04` about 20 times a run.
+    The loss is the training module's `last_train_loss` (the mean over ranks and steps since the last log,
+    as of its last read from the device; `-` before the first read), so printing adds no host sync."""
 
     def __init__(self, max_steps: int, lines: int = 20):
         self.max_steps = max_steps
@@ -36,9 +39,10 @@ class LineProgress(Callback):
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.step0) / max(elapsed, 1e-9)
         eta = (self.max_steps - step) / max(rate, 1e-9)
-        loss = outputs["loss"].item() if isinstance(outputs, dict) else float("nan")
+        loss = pl_module.last_train_loss  # nan until the first read (a non-finite loss stops the run instead)
         tok_s = rate * pl_module.tokens_per_step
-        print(f"step {step}/{self.max_steps} ({100 * step / self.max_steps:.0f}%) | loss {loss:.3f} | "
+        print(f"step {step}/{self.max_steps} ({100 * step / self.max_steps:.0f}%) | "
+              f"loss {'-' if math.isnan(loss) else f'{loss:.3f}'} | "
               f"{tok_s / 1e3:.1f}k tok/s | elapsed {_clock(elapsed)} | eta {_clock(eta)}", flush=True)
 
     def on_validation_end(self, trainer, pl_module):

@@ -5,7 +5,8 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
 
     run directory   k3lab.rundir.prepare_run_dir   (new, or the one being resumed)
     data            k3lab.data.K3DataModule
-    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone
+    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone;
+                                                   model.compile() when train.compile is on
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
     run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
     loggers         metrics.jsonl (+ wandb)
@@ -52,6 +53,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     length_key(cfg.train)
     if cfg.train.get("preempt_signal"):
         signal_number(cfg.train.preempt_signal)
+    compile_mode(cfg)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -80,12 +82,14 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
+        if compile_mode(cfg):
+            model.compile(backend=cfg.train.compile_backend)
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
         counts = model.param_counts()
         length = run_length(cfg.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
         module = K3LitModule(model, typed(OptimConfig, cfg.optim), length.max_steps, cfg.train.log_every,
-                             tokens_per_step, fpt)
+                             tokens_per_step, fpt, ckpt_every=cfg.train.ckpt_every)
         module.elapsed_offset = elapsed
         known.update(counts=counts, tokens_per_step=tokens_per_step, fpt=fpt, train_tokens=datamodule.train_tokens)
         summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
@@ -145,6 +149,19 @@ def deterministic_mode(tc: DictConfig) -> bool | str:
         return tc.accelerator == "cpu"
     if mode not in (True, False, "warn"):
         raise ValueError(f"trainer.deterministic={mode!r} is not an option; valid options: null, true, false, warn")
+    return mode
+
+
+def compile_mode(cfg: DictConfig) -> bool:
+    """Whether the model is compiled, from train.compile: null means on for GPUs and off for the CPU (where
+    compiling a small model costs more than it saves); true and false are passed through. The model is
+    compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
+    parameter names, state dicts and checkpoints are those of the eager model."""
+    mode = cfg.train.get("compile")
+    if mode is None:
+        return cfg.trainer.accelerator != "cpu"
+    if mode not in (True, False):
+        raise ValueError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
     return mode
 
 
