@@ -24,8 +24,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   first variant (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
   where the model has MLA, through its `attn` config, which needs flash-attn: add mixer=kda for an all-KDA
   comparison without it; safe_gate with the sigmoid decay's g_min), fused linear cross-entropy, bf16
-  weights, torch's fused AdamW, timed like the bare loop on the same batches; each row then shows ours/fla
-  tokens/s.
+  weights, torch's fused AdamW, timed like the bare loop on the same batches, before the other rows (a
+  missing package fails at once); each row then shows ours/fla tokens/s.
 
 One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
 parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
@@ -283,6 +283,8 @@ def main(argv=None) -> str:
         p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
     quiet_lightning()
     variants = split_variants(args.variants)
+    first = compose_config([*args.overrides, *shlex.split(variants[0])])
+    fla = [fla_row(first, args.warmup, args.steps)] if args.fla else []  # first: a missing package fails at once
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="k3lab-step-") as tmp:
         for i, variant in enumerate(variants):
@@ -294,11 +296,9 @@ def main(argv=None) -> str:
                 else:
                     rows.append(trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i))
                 print(f"  {variant or '(overrides only)'} / {path}: {rows[-1].tokens_per_s:,.0f} tokens/s", flush=True)
-    if args.fla:
-        rows.append(fla_row(compose_config([*args.overrides, *shlex.split(variants[0])]), args.warmup, args.steps))
-    cfg = compose_config([*args.overrides, *shlex.split(variants[0])])
-    device = torch.cuda.get_device_name() if device_of(cfg).type == "cuda" else "CPU"
-    header = [f"Training step, {device}, torch {torch.__version__}: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, "
+    rows += fla
+    device = torch.cuda.get_device_name() if device_of(first).type == "cuda" else "CPU"
+    header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
     text = table(rows, header)
