@@ -6,21 +6,32 @@
     python run.py resume=last                       # continue the most recent killed run
     python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
                                                     # completed runs and resumes killed or failed ones
+    python run.py --help                            # every group, its options and its default
 
-Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md).
+Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md). A bad key, option or value
+prints one line `error: ...` and exits with status 2 (k3lab/errors.py; HYDRA_FULL_ERROR=1 for the traceback).
 """
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from k3lab.config import check_config
+from k3lab.errors import run_command, task_errors
+from k3lab.help import register as register_help_page
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from k3lab.train import train  # imported here so `--help` and config errors come back fast
+    hydra_cfg = HydraConfig.get()
+    with task_errors(single_run=hydra_cfg.mode == RunMode.RUN):
+        check_config(cfg)  # before torch and Lightning are imported: a bad setting fails in a second
+        from k3lab.train import train
 
-    summary = train(cfg, overrides=HydraConfig.get().overrides.task)
+        summary = train(cfg, overrides=hydra_cfg.overrides.task)
     return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
 
 
 if __name__ == "__main__":
-    main()
+    register_help_page()
+    run_command(main)

@@ -1,9 +1,10 @@
 """The closing table of a multirun: which runs completed, were skipped, resumed or failed, and why.
 
-A Hydra callback (conf/config.yaml, `hydra.callbacks`), so it works with any launcher. Hydra itself
-keeps a sweep going when one run fails, then re-raises the first failure and exits non-zero without
-calling `on_multirun_end`; so the table is printed at interpreter exit (after Hydra's error) unless the
-sweep ended cleanly. It is what a researcher reads before re-running the same command (completed runs
+A Hydra callback (conf/config.yaml, `hydra.callbacks`), so it works with any launcher. A run that fails
+is reported when it ends (`k3lab.errors.report`: one line `error: ...` for a bad setting, else the
+traceback) and the sweep goes on. Hydra then re-raises the first failure, which run.py does not print
+again, and exits non-zero without calling `on_multirun_end`; so the table is printed at interpreter exit
+unless the sweep ended cleanly. It is what a researcher reads before re-running the same command (completed runs
 are then skipped, killed or failed runs resumed from their last checkpoint: k3lab.rundir.prepare_run_dir).
 """
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.table import Table
+
+from k3lab.console import console
+from k3lab.errors import report, user_message
 
 OUTCOME = {"new": "completed", "restart": "completed (restarted)", "resume": "completed (resumed)",
            "skip": "skipped (completed before)"}
@@ -39,7 +42,8 @@ class SweepReport(Callback):
                               f"val loss {loss:.4f}" if isinstance(loss, float) else ""))
         else:
             err = job_return._return_value  # the exception; .return_value would re-raise it
-            self.rows.append((overrides, "FAILED", f"{type(err).__name__}: {err}"[:200]))
+            report(err)
+            self.rows.append((overrides, "FAILED", (user_message(err) or f"{type(err).__name__}: {err}")[:200]))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         atexit.unregister(self.print_table)
@@ -59,8 +63,8 @@ class SweepReport(Callback):
                           style="red" if outcome == "FAILED" else None)
         failed = sum(r[1] == "FAILED" for r in self.rows)
         skipped = sum(r[1].startswith("skipped") for r in self.rows)
-        console = Console(width=140)
-        console.print(table)
-        console.print(f"{len(self.rows) - failed - skipped} completed, {skipped} skipped, {failed} failed"
+        out = console(140)
+        out.print(table)
+        out.print(f"{len(self.rows) - failed - skipped} completed, {skipped} skipped, {failed} failed"
                       + ("; run the same command again to retry the failed runs (completed ones are skipped)"
                          if failed else ""))
