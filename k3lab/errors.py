@@ -4,7 +4,8 @@ A `UserError` is a failure whose message says everything the user needs: a bad v
 or option, a path that does not exist, a busy run directory, a checkpoint that cannot be read, data
 that cannot be read, a loss that stopped being finite. The command prints it as one line
 `error: <message>` on stderr and exits with status 2. A misspelt key or option caught by Hydra while it
-composes the config is reported the same way, with the closest valid name. Any other exception is a bug
+composes the config is reported the same way, with the closest valid name, and so is a full disk (the
+file it could not write, and that the same command resumes the run). Any other exception is a bug
 or a failure of the machine and keeps its traceback (status 1). `HYDRA_FULL_ERROR=1` shows the complete
 traceback of every error instead.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import os
 import re
 import sys
@@ -130,9 +132,13 @@ def composition_message(err: BaseException) -> str | None:
 
 
 def user_message(err: BaseException) -> str | None:
-    """The one line that reports `err` (user errors and Hydra's composition errors), or None for any other error."""
+    """The one line that reports `err` (user errors, Hydra's composition errors, a full disk), or None for
+    any other error."""
     if isinstance(err, UserError):
         return " ".join(str(err).split())
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{err.strerror} writing {err.filename}: free some space, then run the same command again "
+                "(the run resumes from its last checkpoint)")
     return composition_message(err)
 
 

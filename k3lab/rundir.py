@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 

@@ -2,6 +2,7 @@
 multirun that goes on, --help built from the registry, the token cache's progress lines, and tables
 without colour codes when stdout is a file. The CLI cases fail their checks before torch is imported,
 so each costs a fraction of a second."""
+import errno
 import os
 import re
 import subprocess
@@ -64,6 +65,16 @@ def test_a_missing_logger_package_names_the_extra(tmp_path):
     hide = "import sys; sys.modules['tensorboard'] = sys.modules['tensorboardX'] = None"
     proc = cli("logger=tensorboard", f"out_dir={tmp_path}", prelude=hide)
     assert proc.returncode == 2 and 'pip install -e ".[tensorboard]"' in proc.stderr
+
+
+def test_a_full_disk_is_one_line_that_says_what_to_do():
+    from k3lab.errors import user_message
+
+    err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "runs/default/k3/checkpoints/.last.ckpt.tmp12")
+    assert user_message(err) == ("No space left on device writing runs/default/k3/checkpoints/.last.ckpt.tmp12: "
+                                 "free some space, then run the same command again (the run resumes from its last "
+                                 "checkpoint)")
+    assert user_message(OSError(errno.EACCES, "Permission denied")) is None  # anything else keeps its traceback
 
 
 def test_missing_packages_are_checked_in_process_too(monkeypatch):
