@@ -6,6 +6,7 @@
     python run.py resume=last                       # continue the most recent killed run
     python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
                                                     # completed runs and resumes killed or failed ones
+    python run.py trainer=fsdp                      # FSDP2 over every GPU of the node (trainer=ddp: DDP)
     python run.py --help                            # every group, its options and its default
 
 Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md). A bad key, option or value
@@ -23,12 +24,14 @@ from k3lab.help import register as register_help_page
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    hydra_cfg = HydraConfig.get()
-    with task_errors(single_run=hydra_cfg.mode == RunMode.RUN):
+    job = HydraConfig.get()
+    with task_errors(single_run=job.mode == RunMode.RUN):
         check_config(cfg)  # before torch and Lightning are imported: a bad setting fails in a second
+        from k3lab.parallel import one_job_argv
         from k3lab.train import train
 
-        summary = train(cfg, overrides=hydra_cfg.overrides.task)
+        with one_job_argv(list(job.overrides.task), multirun=job.mode == RunMode.MULTIRUN):  # DDP/FSDP workers
+            summary = train(cfg, overrides=job.overrides.task)
     return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
 
 

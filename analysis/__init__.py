@@ -4,8 +4,11 @@ and a Markdown report.
 Reads only the files of the run-directory contract (docs/run_directory.md); never imports `k3lab`.
 
 Modules (each also a command, `python -m analysis.<name> --help`):
-    collect   run directories / CSV -> runs and curves DataFrames, with the skipped runs and why
-    ablate    per switch, each option against the K3 default: mean, CI, delta, Welch / paired t-test
+    collect   run directories / CSV -> runs and curves DataFrames; every directory used, partly read or
+              skipped, and why; the one definition of N and C (N_DEFINITIONS, C_DEFINITIONS)
+    ablate    per switch, each option against the K3 default in cells matched on the whole config: mean, CI,
+              delta, Welch / paired t-test, Holm-adjusted p, minimum detectable effect, N and FLOPs per
+              token against the baseline; optionally each option at its own tuned rate; the headline rows
     scaling   Chinchilla approaches 3 and 2, L(C) per variant, compute multipliers, bootstrap intervals
     plots     matplotlib figures (PNG + SVG)
     report    one command: a sweep folder or a CSV -> a Markdown report with tables and figures
@@ -17,7 +20,8 @@ import importlib
 # name -> submodule; imported on first use so that `python -m analysis.<tool>` runs cleanly (PEP 562)
 _EXPORTS = {
     "Collection": "collect", "collect_runs": "collect", "load_csv": "collect",
-    "DEFAULT_BASELINE": "ablate", "ablation_table": "ablate",
+    "N_DEFINITIONS": "collect", "C_DEFINITIONS": "collect",
+    "DEFAULT_BASELINE": "ablate", "ablation_table": "ablate", "tuning_table": "ablate", "headline": "ablate",
     "ChinchillaFit": "scaling", "fit_chinchilla": "scaling", "bootstrap_chinchilla": "scaling",
     "leave_largest_out": "scaling", "fit_isoflop": "scaling", "fit_loss_vs_compute": "scaling",
     "compute_multipliers": "scaling", "compute_multiplier_separate": "scaling",

@@ -2,9 +2,11 @@
 
     runs    one row per usable run: every summary.json field, `switches` flattened into one column per
             switch (decay, glu, ...), other nested dicts as "versions.torch"-style columns, the resolved
-            config as "config.<group>.<key>" columns, plus run_id and path.
+            config as "config.<group>.<key>" columns, the overrides (a JSON list), plus run_id, path and
+            read_note (what could not be read, empty when everything could).
     curves  long table of metrics.jsonl: run_id, step, tokens, flops, metric, value.
-    skipped run directories left out, with the reason (failed, running, truncated metrics.jsonl, ...).
+    dirs    every directory given or found: used, partially read (a completed run whose metrics.jsonl is
+            missing or truncated: its summary and good lines count) or skipped, with the reason.
 
 External tables: `load_csv(path, {"N": "Model Size", "C": "Training FLOP", "loss": "loss"})` renames the
 mapped columns to canonical names and derives D = C / (6 N) or C = 6 N D when one is missing.
@@ -29,18 +31,46 @@ from analysis.switches import SWITCHES
 
 CANONICAL = ("N", "D", "C", "loss")
 
+# One definition of N and of C serves every fit, allocation and multiplier (approach 3, approach 2, L(C)
+# and the compute multipliers, the ablation table's parameter column): a name chosen once, mapped to the
+# summary.json field it reads. The defaults: N = active non-embedding parameters (routed experts counted by
+# top_k / n_experts, the input embedding left out, the LM head kept), C = the project's training FLOPs
+# (k3lab/flops.py: 6 x active matmul weights plus the sequence-mixing terms, times tokens).
+N_DEFINITIONS = {"active_non_embedding": "params_active_non_embedding", "active": "params_active",
+                 "non_embedding": "params_non_embedding", "total": "params_total"}
+C_DEFINITIONS = {"flops": "flops", "6nd": "flops_6nd"}
+DEFAULT_N, DEFAULT_C = "active_non_embedding", "flops"
+
+# Files only a run directory holds: a folder with one of them but no summary.json is a run that never
+# wrote its summary (listed as skipped, never dropped).
+RUN_FILES = ("summary.json", "config.yaml", "overrides.yaml", "metrics.jsonl")
+
 
 @dataclass
 class Collection:
+    """runs: one row per usable run; curves: the long metrics table; dirs: every directory given or found,
+    one row each (run_id, state, reason, path, run_name), state 'used', 'partial' (used, but part of its
+    files could not be read: `reason` says what) or 'skipped' (not used: `reason` says why)."""
     runs: pd.DataFrame
     curves: pd.DataFrame
-    skipped: pd.DataFrame  # columns: path, run_name, reason
+    dirs: pd.DataFrame
+
+    @property
+    def skipped(self) -> pd.DataFrame:
+        return self.dirs[self.dirs["state"] == "skipped"].reset_index(drop=True)
+
+    @property
+    def partial(self) -> pd.DataFrame:
+        return self.dirs[self.dirs["state"] == "partial"].reset_index(drop=True)
 
 
-def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Run directories under `paths`: each a run dir, a folder searched recursively for summary.json,
-    a summary.json file, or a glob of any of these. Order kept, duplicates dropped."""
+def find_run_dirs(paths: Iterable[str | os.PathLike]) -> tuple[list[Path], list[Path]]:
+    """(run directories, given folders that hold none). Each path is a run directory, a folder searched
+    recursively, a summary.json file, or a glob of any of these. A run directory is a folder holding one
+    of RUN_FILES, its summary.json or not. Order kept, duplicates dropped. A path that does not exist, or
+    a glob that matches nothing, raises FileNotFoundError; a file other than summary.json, ValueError."""
     found: list[Path] = []
+    empty: list[Path] = []
     for p in paths:
         p = str(p)
         matches = sorted(glob.glob(p, recursive=True)) if glob.has_magic(p) else [p]
@@ -53,17 +83,20 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
                 if m.name != "summary.json":
                     raise ValueError(f"{str(m)!r} is a file but not a summary.json (use --csv for tables)")
                 found.append(m.parent)
-            elif (m / "summary.json").exists():
+            elif any((m / f).exists() for f in RUN_FILES):
                 found.append(m)
             else:
-                found.extend(sorted(s.parent for s in m.rglob("summary.json")))
+                below = sorted({f.parent for name in RUN_FILES for f in m.rglob(name)})
+                found.extend(below)
+                if not below:
+                    empty.append(m)
     seen, out = set(), []
     for d in found:
         key = d.resolve()
         if key not in seen:
             seen.add(key)
             out.append(d)
-    return out
+    return out, empty
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[int]]:
@@ -121,31 +154,47 @@ def _read_config(path: Path) -> dict:
     return _flatten(cfg, "config.") if isinstance(cfg, dict) else {}
 
 
-def _check_run(d: Path) -> tuple[Optional[dict], Optional[list[dict]], Optional[str]]:
-    """(summary, metrics records, None) for a usable run, else (summary or None, None, reason)."""
+def _read_overrides(path: Path) -> Optional[str]:
+    """overrides.yaml (a YAML list of the command-line overrides) as a JSON list, or None."""
+    import yaml
+
+    try:
+        items = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return json.dumps([str(i) for i in items]) if isinstance(items, list) else None
+
+
+def _check_run(d: Path) -> tuple[Optional[dict], list[dict], str, str]:
+    """(summary or None, metrics records, state, reason): state 'used'; 'partial' for a completed run
+    whose metrics.jsonl is missing, empty or has unparseable lines (its summary and its good lines are
+    used); 'skipped' when summary.json is missing or unreadable or the run did not complete."""
     sp = d / "summary.json"
+    if not sp.exists():
+        return None, [], "skipped", "summary.json missing (the run never wrote it: killed at start, or deleted)"
     try:
         summary = json.loads(sp.read_text())
         if not isinstance(summary, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        return None, None, f"summary.json unreadable ({type(e).__name__}: {e})"
+        return None, [], "skipped", f"summary.json unreadable ({type(e).__name__}: {e})"
     status = summary.get("status")
     if status == "running":
-        return summary, None, "still running (status=running)"
+        return summary, [], "skipped", "still running (status=running)"
     if status == "failed":
-        return summary, None, f"failed: {summary.get('error') or 'no error message'}"
+        return summary, [], "skipped", f"failed: {summary.get('error') or 'no error message'}"
     if status != "completed":
-        return summary, None, f"unknown status {status!r}"
+        return summary, [], "skipped", f"unknown status {status!r}"
     mp = d / "metrics.jsonl"
     if not mp.exists():
-        return summary, None, "metrics.jsonl missing"
+        return summary, [], "partial", "metrics.jsonl missing: the summary is used, no curves"
     records, bad = read_metrics(mp)
     if bad:
-        return summary, None, f"metrics.jsonl truncated or corrupt (line {bad[0]} unparseable, {len(bad)} bad lines)"
+        return summary, records, "partial", (f"metrics.jsonl truncated or corrupt: {len(bad)} unparseable line(s), "
+                                             f"first line {bad[0]}; the summary and {len(records)} good lines are used")
     if not records:
-        return summary, None, "metrics.jsonl empty"
-    return summary, records, None
+        return summary, [], "partial", "metrics.jsonl empty: the summary is used, no curves"
+    return summary, records, "used", ""
 
 
 def _run_ids(dirs: list[Path]) -> list[str]:
@@ -172,48 +221,63 @@ def curves_frame(run_id: str, records: list[dict]) -> pd.DataFrame:
 
 def collect(paths: Iterable[str | os.PathLike], include_config: bool = True, curves: bool = True,
             verbose: bool = False) -> Collection:
-    """Read every run directory under `paths` (see find_run_dirs). Never raises on a bad run: it goes
-    into `skipped` with its reason. verbose: print the skipped-runs table."""
-    dirs = find_run_dirs(paths)
+    """Read every run directory under `paths` (see find_run_dirs). Never raises on a bad run: every
+    directory gets a row of `dirs` (used, partial or skipped, with the reason). Raises only for a path
+    that does not exist (FileNotFoundError). verbose: print the counts and the skipped and partially
+    read directories."""
+    dirs, empty = find_run_dirs(paths)
     ids = _run_ids(dirs)
-    rows, curve_parts, skipped = [], [], []
+    rows, curve_parts, listed = [], [], []
     for d, rid in zip(dirs, ids):
-        summary, records, reason = _check_run(d)
-        if reason is not None:
-            skipped.append({"run_id": rid, "run_name": (summary or {}).get("run_name", d.name), "reason": reason,
-                            "path": str(d)})
+        summary, records, state, reason = _check_run(d)
+        listed.append({"run_id": rid, "state": state, "reason": reason, "path": str(d),
+                       "run_name": (summary or {}).get("run_name", d.name)})
+        if state == "skipped":
             continue
-        row = {"run_id": rid, "path": str(d), **summary_row(summary)}
+        row = {"run_id": rid, "path": str(d), **summary_row(summary), "read_note": reason}
         if include_config and (d / "config.yaml").exists():
             row.update(_read_config(d / "config.yaml"))
+        if (d / "overrides.yaml").exists():
+            row["overrides"] = _read_overrides(d / "overrides.yaml")
         rows.append(row)
-        if curves:
+        if curves and records:
             curve_parts.append(curves_frame(rid, records))
+    for m in empty:
+        listed.append({"run_id": str(m), "state": "skipped", "path": str(m), "run_name": m.name,
+                       "reason": "no run directory here (no summary.json, config.yaml or metrics.jsonl in it "
+                                 "or below it)"})
     runs = pd.DataFrame(rows)
     curv = (pd.concat(curve_parts, ignore_index=True) if curve_parts
             else pd.DataFrame(columns=["run_id", "step", "tokens", "flops", "metric", "value"]))
-    skip = pd.DataFrame(skipped, columns=["run_id", "run_name", "reason", "path"])
+    col = Collection(runs=runs, curves=curv,
+                     dirs=pd.DataFrame(listed, columns=["run_id", "state", "reason", "path", "run_name"]))
     if verbose:
-        print_skipped(skip)
-    return Collection(runs=runs, curves=curv, skipped=skip)
+        print_dirs(col)
+    return col
 
 
 collect_runs = collect  # package-level name (`analysis.collect` is the module)
 
 
-def print_skipped(skipped: pd.DataFrame) -> None:
-    """Rich table of skipped runs (nothing when none)."""
-    if skipped.empty:
-        return
+def print_dirs(col: Collection) -> None:
+    """One line of counts, then rich tables of the skipped and the partially read directories (stderr)."""
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"Skipped runs ({len(skipped)})")
-    for c in ("run_id", "reason"):
-        t.add_column(c)
-    for _, r in skipped.iterrows():
-        t.add_row(str(r["run_id"]), str(r["reason"]))
-    Console(stderr=True).print(t)
+    con = Console(stderr=True)
+    n_used = int((col.dirs["state"] != "skipped").sum())
+    con.print(f"{len(col.dirs)} run directories: {n_used} used ({len(col.partial)} partially read), "
+              f"{len(col.skipped)} skipped")
+    for title, part in ((f"Skipped ({len(col.skipped)})", col.skipped),
+                        (f"Partially read ({len(col.partial)})", col.partial)):
+        if part.empty:
+            continue
+        t = Table(title=title)
+        for c in ("run_id", "reason"):
+            t.add_column(c, overflow="fold")
+        for _, r in part.iterrows():
+            t.add_row(str(r["run_id"]), str(r["reason"]))
+        con.print(t)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -296,22 +360,30 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-highest", type=int, default=0, help="drop the K highest-loss rows first")
     p.add_argument("--best-of", default="", help="keep the lowest-loss row per group, e.g. 'model,D'")
     p.add_argument("--where", action="append", default=[], help="pandas query on canonical columns, e.g. 'D >= 1e9'")
-    p.add_argument("--n-col", default="params_active", help="run column used as N (run directories)")
+    p.add_argument("--n", dest="n_def", default=DEFAULT_N, choices=list(N_DEFINITIONS),
+                   help=f"which parameter count is N, for every fit and the ablation table (run directories; "
+                        f"default {DEFAULT_N}: {N_DEFINITIONS[DEFAULT_N]})")
+    p.add_argument("--c", dest="c_def", default=DEFAULT_C, choices=list(C_DEFINITIONS),
+                   help="which compute is C: the project's FLOPs (flops) or 6ND (flops_6nd) (run directories)")
     p.add_argument("--d-col", default="tokens", help="run column used as D (run directories)")
-    p.add_argument("--c-col", default="flops", help="run column used as C (run directories)")
     p.add_argument("--loss-col", default="loss_val_final", help="run column used as the loss (run directories)")
 
 
-def runs_to_scaling(runs: pd.DataFrame, n_col: str = "params_active", d_col: str = "tokens",
-                    c_col: str = "flops", loss_col: str = "loss_val_final") -> pd.DataFrame:
-    """runs DataFrame -> the canonical table (N, D, C, loss and every other column kept)."""
-    missing = [c for c in (n_col, d_col, loss_col) if c not in runs.columns]
+def runs_to_scaling(runs: pd.DataFrame, n: str = DEFAULT_N, c: str = DEFAULT_C, d_col: str = "tokens",
+                    loss_col: str = "loss_val_final") -> pd.DataFrame:
+    """runs DataFrame -> the canonical table (N, D, C, loss and every other column kept). n, c: names of
+    N_DEFINITIONS and C_DEFINITIONS; the table's attrs record them (`n_def`, `c_def`)."""
+    n_col, c_col = N_DEFINITIONS[n], C_DEFINITIONS[c]
+    missing = [x for x in (n_col, c_col, d_col, loss_col) if x not in runs.columns]
     if missing:
-        raise KeyError(f"runs have no column(s) {missing}; choose with --n-col/--d-col/--loss-col")
+        raise KeyError(f"runs have no column(s) {missing}; choose N with --n, C with --c, D and the loss with "
+                       "--d-col / --loss-col")
     df = runs.copy()
     df["N"], df["D"], df["loss"] = runs[n_col].astype(float), runs[d_col].astype(float), runs[loss_col].astype(float)
-    df["C"] = runs[c_col].astype(float) if c_col in runs.columns else 6.0 * df["N"] * df["D"]
-    return df.dropna(subset=["N", "D", "C", "loss"]).reset_index(drop=True)
+    df["C"] = runs[c_col].astype(float)
+    df = df.dropna(subset=["N", "D", "C", "loss"]).reset_index(drop=True)
+    df.attrs.update(n_def=f"{n} ({n_col})", c_def=f"{c} ({c_col})")
+    return df
 
 
 def _split(s: str) -> list[str]:
@@ -327,28 +399,34 @@ def scaling_table_from_args(args, collection: Optional[Collection] = None) -> pd
         collection = collection or collect(args.paths, verbose=True)
         if collection.runs.empty:
             raise SystemExit("no usable runs")
-        df = runs_to_scaling(collection.runs, args.n_col, args.d_col, args.c_col, args.loss_col)
+        df = runs_to_scaling(collection.runs, args.n_def, args.c_def, args.d_col, args.loss_col)
     return select_rows(df, args.drop_highest, _split(args.best_of), args.where)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m analysis.collect",
-                                description="Collect run directories (or a CSV) into tables; list skipped runs.")
+                                description="Collect run directories (or a CSV) into tables; list every "
+                                            "directory that was skipped or only partly read.")
     add_source_args(p)
     p.add_argument("--out", help="write the runs (or CSV rows after selection) table here (.csv)")
     p.add_argument("--curves", help="write the long curves table here (.csv)")
+    p.add_argument("--dirs", help="write the table of every directory (used / partial / skipped, why) here (.csv)")
     args = p.parse_args(argv)
-    if args.csv:
-        df = scaling_table_from_args(args)
-        print(f"{len(df)} rows after selection; columns: {', '.join(map(str, df.columns))}")
-        print(df[[c for c in CANONICAL if c in df]].describe().to_string())
-        if args.out:
-            df.to_csv(args.out, index=False)
-        return
-    if not args.paths:
-        p.error("give run directories (or globs) or --csv FILE")
-    col = collect(args.paths, verbose=True)
-    print(f"{len(col.runs)} usable runs, {len(col.skipped)} skipped, {len(col.curves)} curve points")
+    try:
+        if args.csv:
+            df = scaling_table_from_args(args)
+            print(f"{len(df)} rows after selection; columns: {', '.join(map(str, df.columns))}")
+            print(df[[c for c in CANONICAL if c in df]].describe().to_string())
+            if args.out:
+                df.to_csv(args.out, index=False)
+            return
+        if not args.paths:
+            p.error("give run directories (or globs) or --csv FILE")
+        col = collect(args.paths, verbose=True)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"analysis.collect: {e}") from None
+    print(f"{len(col.runs)} usable runs ({len(col.partial)} partially read), {len(col.skipped)} skipped, "
+          f"{len(col.curves)} curve points")
     if not col.runs.empty:
         show = [c for c in ("run_id", "status", "model", *SWITCHES, "seed", "tokens", "loss_val_final") if c in col.runs]
         print(col.runs[show].to_string(index=False))
@@ -356,6 +434,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         col.runs.to_csv(args.out, index=False)
     if args.curves:
         col.curves.to_csv(args.curves, index=False)
+    if args.dirs:
+        col.dirs.to_csv(args.dirs, index=False)
 
 
 if __name__ == "__main__":

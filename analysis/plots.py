@@ -57,7 +57,8 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
                 xs: Sequence[str] = ("step", "tokens", "flops"), order: Optional[Sequence] = None,
                 title: Optional[str] = None):
     """One panel per x axis; each run a line coloured by its value of column `by` (e.g. a switch or
-    'variant'). curves: long table from collect; runs: the runs table (run_id and `by`)."""
+    'variant'). Panels against tokens and FLOPs are log-scaled and leave out the step-0 point; runs with
+    few points get markers. curves: long table from collect; runs: the runs table (run_id and `by`)."""
     c = curves[curves["metric"] == metric].merge(runs[["run_id", by]], on="run_id")
     if c.empty:
         raise ValueError(f"no {metric!r} points for these runs")
@@ -67,10 +68,15 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
     for ax, x in zip(axes[0], xs):
         for rid, g in c.groupby("run_id"):
             g = g.sort_values(x)
-            g = g[g[x] > 0] if x != "step" else g
-            ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75)
+            g = g[g[x] > 0] if x != "step" else g  # a log axis has no place for step 0 (0 tokens, 0 FLOPs)
+            few = len(g) <= 12  # a short run: markers, so that one or two points still show
+            ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75,
+                    marker="o" if few else None, ms=3)
         if x != "step":
-            ax.set_xscale("log")  # matplotlib labels minor ticks itself when the range is under a decade
+            ax.set_xscale("log")
+            lo, hi = ax.get_xlim()
+            if hi > 10 * lo:  # over a decade the 10^k labels suffice; under one, matplotlib labels minor ticks
+                ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(X_LABELS.get(x, x))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -165,38 +171,55 @@ def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N",
     return fig
 
 
+VERDICT_COLORS = {"worse": "C3", "better": "C2"}
+
+
 def plot_ablation(table: pd.DataFrame):
-    """Point plot of delta (option - baseline) with 95% CI, one panel per switch, one row per
-    (option, cell). table: analysis.ablate.ablation_table output."""
+    """Point plot of delta (option - baseline) with 95% CI, one panel per switch, one row per (option,
+    cell, setting). Colour by the table's verdict: red worse, green better (Holm-adjusted p < alpha), grey
+    not significant or untested; a legend says so. table: analysis.ablate.ablation_table output."""
+    from analysis.ablate import fmt
+
     t = table[table["test"] != "baseline"]
     if t.empty:
         raise ValueError("the ablation table has no non-baseline options")
     switches = list(dict.fromkeys(t["switch"]))
-    cell_cols = [c for c in table.columns if c not in {
-        "switch", "option", "baseline", "n", "seeds", "mean", "std", "ci_lo", "ci_hi", "delta", "delta_lo",
-        "delta_hi", "p_value", "test"}]
-    multi_cell = any(t[c].nunique() > 1 for c in cell_cols)
+    keys = [*table.columns[3:table.columns.get_loc("cell")], "cell", "rate", "setting"]
+    labels = {}
+    for s in switches:  # each row named by what tells it apart from the other rows of its switch
+        g = t[t["switch"] == s]
+        vary = [c for c in keys if c in g and g[c].astype(str).nunique() > 1]
+        if "tokens" in vary and "tokens_per_step" in vary:
+            vary.remove("tokens_per_step")
+        for i, r in g.iterrows():
+            where = ", ".join(f"{c}={fmt(r[c])}" if c not in ("cell", "rate", "setting") else str(r[c])
+                              for c in vary if fmt(r[c]))
+            labels[i] = f"{r['option']}" + (f" ({where})" if where else "") + f"  n={r['n']}"
     heights = [max(1, (t["switch"] == s).sum()) for s in switches]
-    fig, axes = plt.subplots(len(switches), 1, figsize=(6.0, 0.9 + 0.42 * sum(heights) + 0.5 * len(switches)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False, sharex=True)
+    width = 4.0 + 0.06 * max(len(v) for v in labels.values())
+    fig, axes = plt.subplots(len(switches), 1, figsize=(width, 1.2 + 0.42 * sum(heights) + 0.5 * len(switches)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False, sharex=True, layout="constrained")
     for ax, s in zip(axes[:, 0], switches):
-        g = t[t["switch"] == s].reset_index(drop=True)
+        g = t[t["switch"] == s]
         y = np.arange(len(g))[::-1]
         lo = (g["delta"] - g["delta_lo"]).fillna(0).clip(lower=0)
         hi = (g["delta_hi"] - g["delta"]).fillna(0).clip(lower=0)
-        sig = (g["delta_lo"] > 0) | (g["delta_hi"] < 0)
-        colors = ["C3" if (sg and d > 0) else "C2" if sg else "C7" for sg, d in zip(sig, g["delta"])]
+        colors = [VERDICT_COLORS.get(v, "C7") for v in g["verdict"]]
         for yi, d, l, h, c in zip(y, g["delta"], lo, hi, colors):
-            ax.errorbar([d], [yi], xerr=[[l], [h]], fmt="o", color=c, capsize=3)
-        labels = [f"{o}" + (" (" + ", ".join(f"{r[c]}" for c in cell_cols) + ")" if multi_cell else "") +
-                  f"  n={n}" for (_, r), o, n in zip(g.iterrows(), g["option"], g["n"])]
-        ax.set_yticks(y, labels, fontsize=8)
+            if np.isfinite(d):
+                ax.errorbar([d], [yi], xerr=[[l], [h]], fmt="o", color=c, capsize=3)
+        ax.set_yticks(y, [labels[i] for i in g.index], fontsize=8)
         ax.set_ylim(-0.6, len(g) - 0.4)
         ax.axvline(0, color="k", lw=0.8)
         ax.set_title(f"{s} (baseline {g['baseline'].iloc[0]})", fontsize=9, loc="left")
         ax.grid(alpha=0.3, axis="x")
-    axes[-1, 0].set_xlabel(f"Δ {table.attrs.get('metric', 'metric')} vs baseline (95% CI; red = worse, green = better)")
-    fig.tight_layout()
+    n_cmp = table.attrs.get("n_comparisons", len(t))
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=lab) for c, lab in (
+        ("C3", "worse (Holm p < 0.05)"), ("C2", "better (Holm p < 0.05)"),
+        ("C7", "not significant after Holm, or no test (n < 2)"))]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=7, frameon=False,
+               title=f"colour: Holm-Bonferroni over {n_cmp} comparisons", title_fontsize=7)
+    axes[-1, 0].set_xlabel(f"Δ {table.attrs.get('metric', 'metric')} vs baseline (95% CI)")
     return fig
 
 
@@ -232,7 +255,7 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
         bx.plot(budgets, d_opt / n_opt, color=col, ls=ls, label=lab)
         if boots and lab in boots and boots[lab].n_converged:
             th = boots[lab].good[list(THETA_NAMES)].to_numpy()
-            nb, db = optimal_allocation(th[:, None, :], budgets[None, :])
+            nb, db = optimal_allocation(th[:, None, :], budgets[None, :], boots[lab].kappa)
             ax.fill_between(budgets, np.quantile(nb, q, 0), np.quantile(nb, 1 - q, 0), color=col, alpha=0.2)
             bx.fill_between(budgets, np.quantile(db / nb, q, 0), np.quantile(db / nb, 1 - q, 0), color=col, alpha=0.2)
     for a, lab in ((ax, "N_opt"), (bx, "D_opt / N_opt")):

@@ -4,10 +4,16 @@
     python -m analysis.report --csv table.csv --map 'N=Model Size,C=Training FLOP,loss=loss' \\
         --drop-highest 5 --out reports/chinchilla            # scaling-only report
 
-Sections (each only when the data allow it): skipped runs; ablation table and its figures (deltas,
-loss curves against step / tokens / FLOPs per switch, MoE MaxVio); approach 3 with bootstrap intervals,
-the compute-optimal allocation and a leave-largest-size-out check, for all rows and for every
-`--subset`; approach 2 (isoFLOP parabolas); L(C) per variant and compute multipliers.
+Sections (each only when the data allow it): every run directory (used, partially read, skipped and
+why); the headline per switch option (delta at the largest size, compute multiplier, throughput and
+wall-clock multipliers); the ablation table (cells, Holm-adjusted p-values, minimum detectable effects,
+parameters and FLOPs per token against the baseline; with --tune each option at its own best rate, and
+the tuning table) and its figures (deltas, loss curves against step / tokens / FLOPs per switch, MoE
+MaxVio); approach 3 with bootstrap intervals, the compute-optimal allocation and a leave-largest-size-out
+check, for all rows and for every `--subset`; approach 2 (isoFLOP parabolas); L(C) per variant and compute
+multipliers. N and C have one definition each for all of them (--n, --c; analysis.collect.N_DEFINITIONS).
+
+A source that does not exist stops the command with one line before anything is written.
 """
 from __future__ import annotations
 
@@ -22,12 +28,14 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.ablate import (DEFAULT_MATCH, _parse_baseline, ablation_table, display_table, effective_baseline, fmt,
-                             markdown_table, print_ablation, variant_labels)
-from analysis.collect import (Collection, _split, add_source_args, collect, runs_to_scaling, scaling_table_from_args,
-                              select_rows)
+from analysis.ablate import (ALPHA, BOOKKEEPING, POWER, TUNE_SEED_MIN, _parse_baseline, add_ablation_args,
+                             display_headline, display_table, fmt, headline, markdown_table, print_ablation,
+                             table_from_args, tuning_table, variant_labels)
+from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect,
+                              runs_to_scaling, scaling_table_from_args, select_rows)
 from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              fit_loss_vs_compute, flop_budgets, leave_largest_out, pareto_frontier, size_groups)
+                              fit_loss_vs_compute, flop_budgets, flops_per_param_token, leave_largest_out,
+                              pareto_frontier, size_groups)
 
 
 class Report:
@@ -42,6 +50,10 @@ class Report:
     def add(self, *text: str) -> None:
         self.lines.extend(text)
         self.lines.append("")
+
+    def insert(self, at: int, *text: str) -> None:
+        """Lines placed at position `at` (a section computed after the ones that follow it in the report)."""
+        self.lines[at:at] = [*text, ""]
 
     def table(self, df: pd.DataFrame, digits: int = 4) -> None:
         self.add(markdown_table(df, digits))
@@ -74,10 +86,16 @@ def default_budgets(c: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------
 
 def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
-    rep.add("## Runs", f"{len(col.runs)} usable runs, {len(col.skipped)} skipped.")
+    n_used = int((col.dirs["state"] != "skipped").sum())
+    rep.add("## Runs", f"{len(col.dirs)} run directories: {n_used} used ({len(col.partial)} partially read), "
+                       f"{len(col.skipped)} skipped.")
     if not col.skipped.empty:
         rep.add("### Skipped runs")
         rep.table(col.skipped[["run_id", "reason"]])
+    if not col.partial.empty:
+        rep.add("### Partially read runs", "Used: their summary.json counts in every table; their curves have only "
+                                           "the lines that could be read.")
+        rep.table(col.partial[["run_id", "reason"]])
     if not col.runs.empty:
         r = col.runs.assign(variant=variants)
         cols = [c for c in ("model", "variant") if c in r]
@@ -85,54 +103,94 @@ def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
                                                  seeds=("seed", lambda s: ",".join(map(str, sorted(set(s))))),
                                                  tokens=("tokens", "max")).reset_index()
         rep.table(summ)
+    rep.add(f"<details><summary>Every run directory ({len(col.dirs)})</summary>", "",
+            markdown_table(col.dirs[["run_id", "state", "reason"]]), "", "</details>")
 
 
-def section_ablation(rep: Report, col: Collection, args) -> None:
+def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFrame]:
     if col.runs.empty or args.metric not in col.runs:
-        return
-    table = ablation_table(col.runs, args.metric, _parse_baseline(args.baseline),
-                           [c for c in args.match.split(",") if c])
+        return None
+    table = table_from_args(col.runs, args)
     notes = table.attrs.get("notes", [])
     if table.empty:
         if notes:
             rep.add("## Ablations", "No switch has runs differing from the baseline in that switch only.",
                     *[f"- {n}" for n in notes])
-        return
+        return None
     print_ablation(table)
+    ignored = ", ".join([*BOOKKEEPING, *[c for c in args.ignore.split(",") if c]])
     rep.add("## Ablations",
-            f"Metric `{args.metric}` (lower is better). Each option against the baseline at matched "
-            f"{', '.join(c for c in args.match.split(',') if c in table.columns)}; mean with Student-t 95% CI over "
-            "seeds; delta with 95% CI and p-value from a paired t-test when the seeds match, else Welch's t-test.")
+            f"Metric `{args.metric}` (lower is better). A cell holds the runs whose whole config.yaml is equal "
+            f"except for the seed, the bookkeeping keys ({ignored}) and the keys under comparison (the switch's "
+            "own group" + (", optim.lr and optim.adam_lr" if args.tune else "") + "), and whose "
+            f"{', '.join(c for c in args.match.split(',') if c in table.columns)} are equal; `cell` names what "
+            "differs between the cells of a switch. Mean with Student-t 95% CI over seeds; delta with 95% CI and "
+            "p-value from a paired t-test when the seeds match, else Welch's t-test; `p (Holm)` adjusted over the "
+            f"{table.attrs['n_comparisons']} comparisons of this report (Holm-Bonferroni), the verdict decided on "
+            f"it at {ALPHA}; MDE: the smallest |delta| the test used detects with power {POWER} at alpha {ALPHA} "
+            "given the row's n and spread. `N / base`, `FLOPs/token / base`, `tokens/s / base`: active "
+            f"parameters ({N_DEFINITIONS[args.n_def]}), FLOPs per token and throughput against the baseline row.")
+    if args.tune:
+        rep.add(f"**Tuned comparison.** Each option at its own best setting of the rates ({args.tuned}) and of its "
+                "own group's keys: the lowest mean metric on the tuning seeds (" +
+                (args.tune_seeds or f"seed >= {TUNE_SEED_MIN}") + "), reported on the other seeds. `rate` is the "
+                "rate each row used, `grid_edge` says when the choice lies at an edge of the grid tried (widen it).")
     rep.table(display_table(table))
     table.to_csv(rep.out / "ablation.csv", index=False)
-    rep.add("Full table: [ablation.csv](ablation.csv).", *[f"- note: {n}" for n in notes])
+    rep.add("Full table (with every run id): [ablation.csv](ablation.csv).", *[f"- note: {n}" for n in notes])
+    tuning = tuning_table(table)
+    if not tuning.empty:
+        rep.add("### Tuning", "Every setting tried, with its mean on the tuning seeds; the chosen one per option with "
+                              "the command that runs the reported seeds at it.")
+        rep.table(tuning)
+        tuning.to_csv(rep.out / "tuning.csv", index=False)
     rep.figure(plots.plot_ablation(table), "ablation_deltas", "Delta against the baseline with 95% CIs")
-    ref, _ = effective_baseline(col.runs, _parse_baseline(args.baseline))
     metric = "loss/val" if (col.curves["metric"] == "loss/val").any() else "loss/train"
-    match = [c for c in args.match.split(",") if c in table.columns]
     for s in dict.fromkeys(table["switch"]):
-        # curves of the matched cell with the most runs (one model size / token budget per figure)
+        # curves of the rows of one cell: the one with the most runs (one size / length / rate per figure)
         t = table[table["switch"] == s]
-        cell = t.groupby(match, dropna=False)["n"].sum().idxmax() if match else ()
-        cell = cell if isinstance(cell, tuple) else (cell,)
-        m = col.runs[s].isin(t["option"])
-        for o, ro in ref.items():
-            if o != s and ro is not None:
-                m &= col.runs[o] == ro
-        for c, v in zip(match, cell):
-            m &= col.runs[c] == v
-        runs = col.runs[m]
-        order = list(dict.fromkeys(t["option"]))
+        keys = list(table.columns[3:table.columns.get_loc("cell") + 1])
+        if not args.tune and s != "optim":
+            keys.append("rate")  # untuned, the rates are part of the cell (for optim, of the option's setting)
+        cells = t.groupby(keys, dropna=False, sort=False)["n"].sum()
+        cell = cells.idxmax() if len(keys) > 1 else (cells.idxmax(),)
+        rows = t[np.logical_and.reduce([t[k].astype(str) == str(v) for k, v in zip(keys, cell)])]
+        label = {rid: (o if (rows["option"] == o).sum() == 1 else " ".join(x for x in (o, st, rate) if x))
+                 for o, st, rate, ids in zip(rows["option"], rows["setting"], rows["rate"], rows["run_ids"])
+                 for rid in ids.split(";") if rid}  # an option with several rows: each row its own colour
+        runs = col.runs[col.runs["run_id"].isin(label)]
+        runs = runs.assign(**{s: runs["run_id"].map(label)})  # colour by row: the option, with its setting if several
         try:
-            fig = plots.plot_curves(col.curves, runs, s, metric=metric, order=order)
+            fig = plots.plot_curves(col.curves, runs, s, metric=metric, order=list(dict.fromkeys(label.values())))
         except ValueError:
             continue
-        where = ", ".join(f"{c}={fmt(v)}" for c, v in zip(match, cell))
-        rep.figure(fig, f"curves_{s}", f"{metric} by {s} option against step, tokens and FLOPs ({where})")
+        where = ", ".join(f"{k}={fmt(v)}" for k, v in zip(keys, cell)
+                          if fmt(v) not in ("", "nan") and t[k].astype(str).nunique() > 1)  # what tells the cells apart
+        where = f" ({where})" if where else ""
+        rep.figure(fig, f"curves_{s}", f"{metric} by {s} option against step, tokens and FLOPs{where}")
         if s == "balance" or ("balance" not in set(table["switch"]) and s == "moe"):
-            rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=order), f"maxvio_{s}", f"MoE MaxVio by {s} option ({where})")
+            rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=list(dict.fromkeys(label.values()))),
+                       f"maxvio_{s}", f"MoE MaxVio by {s} option{where}")
     if "balance" not in set(table["switch"]) and "moe" not in set(table["switch"]):
         rep.figure(plots.plot_maxvio(col.curves, col.runs, by="model"), "maxvio", "MoE MaxVio over training")
+    return table
+
+
+def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[pd.DataFrame]) -> None:
+    h = headline(table, mult)
+    if h.empty:
+        return
+    h.to_csv(rep.out / "headline.csv", index=False)
+    ladder = ("" if mult is not None else " No ladder per variant here, so no compute multiplier: run a size ladder "
+              "(sweeps/scaling_ladder.yaml) of the baseline and of the option to get one.")
+    rep.insert(at, "## Headline",
+               "Per switch option: the delta at the largest model size with its 95% CI and verdict (from the ablation "
+               "table), the compute multiplier from the L(C) fits of its ladder (shared exponent; > 1: the baseline "
+               "needs that many times the FLOPs for the option's loss), the throughput of the same runs against the "
+               "baseline's (tokens/s, and FLOPs per token), and the wall-clock multiplier = compute multiplier x "
+               "tokens/s ratio x FLOPs/token ratio (the ratio of FLOPs per second): how much sooner the option "
+               "reaches the loss (> 1: sooner); its interval is the multiplier's." + ladder,
+               markdown_table(display_headline(h)), "", "Table: [headline.csv](headline.csv).")
 
 
 def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarray) -> Optional[dict]:
@@ -141,9 +199,10 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
         rep.add(f"### Approach 3 — {name}", f"Skipped: {len(df)} points, "
                 f"{len(np.unique(size_groups(n)))} sizes (needs >= 6 points and >= 3 sizes).")
         return None
-    fit = fit_chinchilla(n, d, loss, grid=args.grid)
+    kappa, k_lo, k_hi = flops_per_param_token(n, d, df["C"].to_numpy())
+    fit = fit_chinchilla(n, d, loss, grid=args.grid, kappa=kappa)
     boot = bootstrap_chinchilla(n, d, loss, n_boot=args.n_boot, seed=args.seed, init=fit.theta, progress=True,
-                                description=f"bootstrap approach 3 ({name})") if args.n_boot else None
+                                description=f"bootstrap approach 3 ({name})", kappa=kappa) if args.n_boot else None
     rep.add(f"### Approach 3 — {name}",
             f"{len(df)} points, {len(np.unique(size_groups(n)))} sizes; {fit.n_starts} L-BFGS-B starts, "
             f"{fit.n_near_best} end within 0.01% of the best objective {fit.objective:.6g} "
@@ -171,11 +230,12 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
         opt["D/N 95% CI"] = [f"[{fmt(a, 3)}, {fmt(b, 3)}]" for a, b in zip(oc["D/N_lo"], oc["D/N_hi"])]
     inside = (budgets >= df["C"].min()) & (budgets <= df["C"].max())
     opt["in data range"] = np.where(inside, "yes", "extrapolated")
-    rep.add("Compute-optimal allocation (C = 6ND):")
+    spread = "" if np.isclose(k_lo, k_hi, rtol=1e-6) else f"; {k_lo:.4g} to {k_hi:.4g} over the runs"
+    rep.add(f"Compute-optimal allocation under C = kappa N D, kappa = {kappa:.4g} (median C / (N D){spread}):")
     rep.table(opt)
     out = {"fit": fit, "boot": boot, "llo": None}
     try:
-        llo_fit, held = leave_largest_out(n, d, loss, n_sizes=args.llo_sizes, grid=args.grid)
+        llo_fit, held = leave_largest_out(n, d, loss, n_sizes=args.llo_sizes, grid=args.grid, kappa=kappa)
     except ValueError as e:
         rep.add(f"Leave-largest-size-out: skipped ({e}).")
         return out
@@ -191,11 +251,20 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
     return out
 
 
+def definitions(args) -> str:
+    """The one definition of N, D and C every fit, allocation and multiplier of the report uses."""
+    if args.csv:
+        return f"N, D, C and the loss are the CSV's columns as mapped ({args.map or 'canonical names'})."
+    return (f"N = {args.n_def} ({N_DEFINITIONS[args.n_def]}), D = {args.d_col}, C = {args.c_def} "
+            f"({C_DEFINITIONS[args.c_def]}), loss = {args.loss_col}, for every fit, allocation and multiplier below "
+            "(other definitions: --n, --c).")
+
+
 def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows") -> None:
     df = df.dropna(subset=["N", "D", "C", "loss"])
     if len(df) < 6:
         return
-    rep.add("## Scaling laws")
+    rep.add("## Scaling laws", definitions(args))
     budgets = (np.array([float(x) for x in args.budgets.split(",")]) if args.budgets
                else default_budgets(df["C"].to_numpy()))
     scen = {label: df}
@@ -203,9 +272,10 @@ def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows"
         name, _, q = sub.partition(":")
         scen[name.strip()] = df.query(q.strip() if q else name)
     for alt in args.alt_n:
-        if alt not in df:
+        column = alt if args.csv else N_DEFINITIONS.get(alt, alt)
+        if column not in df:
             raise SystemExit(f"--alt-n {alt!r}: no such column; available: {list(df.columns)}")
-        scen[f"N = {alt}"] = df.assign(N=df[alt].astype(float))
+        scen[f"N = {alt}"] = df.assign(N=df[column].astype(float))
     results = {k: _approach3(rep, k, v, args, budgets) for k, v in scen.items()}
     results = {k: v for k, v in results.items() if v}
     if len(results) > 1 or any(r["llo"] for r in results.values()):
@@ -244,14 +314,17 @@ def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows"
 
 def section_isoflop(rep: Report, df: pd.DataFrame, args) -> None:
     budget = df["budget"].to_numpy(float) if "budget" in df else flop_budgets(df["C"].to_numpy(), args.iso_tol)
+    kappa = flops_per_param_token(df["N"], df["D"], df["C"])[0]
     try:
-        iso = fit_isoflop(df["N"], df["C"], df["loss"], budget=budget, n_boot=args.n_boot_small, seed=args.seed)
+        iso = fit_isoflop(df["N"], df["C"], df["loss"], budget=budget, n_boot=args.n_boot_small, seed=args.seed,
+                          kappa=kappa)
     except ValueError as e:
         rep.add("### Approach 2 (isoFLOP parabolas)", f"Not applicable to these points: {str(e).splitlines()[0]}")
         return
     ci = iso.ci()
     rep.add("### Approach 2 (isoFLOP parabolas)",
-            f"Budgets are runs whose log10 C lie within {args.iso_tol} dex of each other. "
+            f"Budgets are runs whose log10 C lie within {args.iso_tol} dex of each other; D_opt = C / (kappa N_opt), "
+            f"kappa = {kappa:.4g}. "
             f"N_opt ∝ C^a with a = {iso.a:.3f} [{fmt(ci.loc['a', 'lo'])}, {fmt(ci.loc['a', 'hi'])}]; "
             f"D_opt ∝ C^b with b = {iso.b:.3f} [{fmt(ci.loc['b', 'lo'])}, {fmt(ci.loc['b', 'hi'])}] "
             f"(95% bootstrap over runs within budgets, {len(iso.boot)}/{args.n_boot_small} replicates usable).")
@@ -259,11 +332,13 @@ def section_isoflop(rep: Report, df: pd.DataFrame, args) -> None:
     rep.figure(plots.plot_isoflop(df, iso, budget), "isoflop", "isoFLOP parabolas and N_opt against C")
 
 
-def section_multipliers(rep: Report, df: pd.DataFrame, args) -> None:
+def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[pd.DataFrame]:
+    """L(C) per variant and the compute multipliers against the baseline variant (returned; None when there
+    is no ladder of the baseline and of another variant)."""
     if "variant" not in df or df["variant"].nunique() < 2:
-        return
+        return None
     if len(rep.lines) and not any(l.startswith("## Scaling") for l in rep.lines):
-        rep.add("## Scaling laws")
+        rep.add("## Scaling laws", definitions(args))
     base = args.baseline_variant
     pts = []
     for v, g in df.groupby("variant", sort=False):
@@ -277,7 +352,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> None:
         rep.add("### Loss against compute per variant",
                 f"Skipped: needs the baseline '{base}' and another variant with >= 4 {args.lc_points} points each "
                 f"(have {counts.to_dict()}).")
-        return
+        return None
     fits = {v: fit_loss_vs_compute(g["C"], g["loss"]) for v, g in pts.groupby("variant", sort=False)}
     rep.add("### Loss against compute per variant",
             f"L(C) = L_inf + A (C/C0)^-alpha fitted in log space on each variant's {args.lc_points} points.")
@@ -292,6 +367,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> None:
     rep.figure(plots.plot_loss_vs_compute(pts, fits=fits, color_by="variant", title="L(C) per variant"),
                "loss_vs_compute_variants", "L(C) per variant with fitted curves and the frontier")
     rep.figure(plots.plot_multipliers(mult), "compute_multipliers", "Compute multipliers with 95% intervals")
+    return mult
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,9 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(p)
     p.add_argument("--out", required=True, help="report folder (report.md, figures, ablation.csv)")
     p.add_argument("--title", default=None)
-    p.add_argument("--metric", default="loss_val_final", help="ablation metric (summary column)")
-    p.add_argument("--baseline", action="append", default=[], help="override a switch reference, e.g. moe=dense")
-    p.add_argument("--match", default=",".join(DEFAULT_MATCH), help="columns that identify a matched ablation cell")
+    add_ablation_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
     p.add_argument("--n-boot", type=int, default=400, help="approach-3 bootstrap replicates (0 = none)")
     p.add_argument("--n-boot-small", type=int, default=200, help="bootstrap replicates for approach 2 and multipliers")
@@ -312,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset", action="append", default=[],
                    help="extra approach-3 fit on a subset, 'NAME: pandas query', e.g. 'D >= 1e9: D >= 1e9'")
     p.add_argument("--alt-n", action="append", default=[],
-                   help="extra approach-3 fit with another column as N (e.g. non-embedding parameters)")
+                   help="extra approach-3 fit with another N: a name of --n for run directories (e.g. total), "
+                        "a column for a CSV (e.g. N_no_emb); its allocation uses its own kappa = C / (N D)")
     p.add_argument("--llo-sizes", type=int, default=1, help="largest model sizes left out in the prediction check")
     p.add_argument("--iso-tol", type=float, default=0.05, help="dex within which runs share a FLOP budget")
     p.add_argument("--variant-col", default=None, help="CSV column naming the variant for L(C) and multipliers")
@@ -325,6 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> Path:
     args = build_parser().parse_args(argv)
+    if not args.csv and not args.paths:
+        raise SystemExit("analysis.report: give run directories (or globs) or --csv FILE")
+    try:  # read the sources first: a missing one stops here, with one line and nothing written
+        if args.csv:
+            df = scaling_table_from_args(args)
+        else:
+            col = collect(args.paths, verbose=True)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.report: {e}") from None
     out = Path(args.out)
     rep = Report(out, tuple(f for f in args.formats.split(",") if f))
     src = args.csv or " ".join(args.paths)
@@ -332,7 +416,6 @@ def main(argv: Optional[list[str]] = None) -> Path:
             f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by",
             "```", "python -m analysis.report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])), "```")
     if args.csv:
-        df = scaling_table_from_args(args)
         if args.variant_col:
             df["variant"] = df[args.variant_col].astype(str)
         rep.add(f"Source: `{args.csv}`, {len(df)} rows after selection "
@@ -340,20 +423,21 @@ def main(argv: Optional[list[str]] = None) -> Path:
         section_scaling(rep, df, args)
         section_multipliers(rep, df, args)
     else:
-        if not args.paths:
-            raise SystemExit("give run directories (or globs) or --csv FILE")
-        col = collect(args.paths, verbose=True)
         variants = variant_labels(col.runs, _parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
         section_runs(rep, col, variants)
-        section_ablation(rep, col, args)
-        if not col.runs.empty and args.n_col in col.runs:
-            df = runs_to_scaling(col.runs.assign(variant=variants), args.n_col, args.d_col, args.c_col, args.loss_col)
+        headline_at = len(rep.lines)
+        table = section_ablation(rep, col, args)
+        mult = None
+        if not col.runs.empty and N_DEFINITIONS[args.n_def] in col.runs:
+            df = runs_to_scaling(col.runs.assign(variant=variants), args.n_def, args.c_def, args.d_col, args.loss_col)
             df = select_rows(df, args.drop_highest, _split(args.best_of), args.where)
             base = df[df["variant"] == args.baseline_variant]
             if len(np.unique(size_groups(base["N"]))) >= 3:
                 rep.add("Approaches 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every variant.")
                 section_scaling(rep, base, args, label=args.baseline_variant)
-            section_multipliers(rep, df, args)
+            mult = section_multipliers(rep, df, args)
+        if table is not None:
+            section_headline(rep, headline_at, table, mult)
     path = rep.write()
     print(f"report: {path}")
     return path

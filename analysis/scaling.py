@@ -9,11 +9,13 @@ Besiroglu et al. 2024, arXiv:2404.10102):
 
 minimised with L-BFGS-B from Chinchilla's grid of 4,500 starts. Uncertainty from a non-parametric
 bootstrap over runs, each replicate refitted from one start (the best point, or Hoffmann's values).
-The compute-optimal allocation under C = 6 N D is
-    N_opt(C) = G (C/6)^(beta/(alpha+beta)),  D_opt(C) = G^-1 (C/6)^(alpha/(alpha+beta)),
+The compute-optimal allocation under C = kappa N D (kappa = 6 for the 6ND count; for the project's
+FLOPs, kappa = median over the runs of C / (N D), see `flops_per_param_token`) is
+    N_opt(C) = G (C/kappa)^(beta/(alpha+beta)),  D_opt(C) = G^-1 (C/kappa)^(alpha/(alpha+beta)),
     G = (alpha A / (beta B))^(1/(alpha+beta)).
 
-Approach 2: per FLOP budget a parabola of L in log N; its vertex is N_opt(C); then log N_opt = k + a log C.
+Approach 2: per FLOP budget a parabola of L in log N; its vertex is N_opt(C); then log N_opt = k + a log C
+and D_opt = C / (kappa N_opt).
 
 Loss against compute per variant: L(C) = L_inf + A (C/C0)^-alpha (fitted in log space). The compute
 multiplier of a variant against the baseline is how much more compute the baseline needs for the
@@ -129,6 +131,7 @@ class ChinchillaFit:
     n_starts: int
     n_near_best: int  # starts whose end point is within 0.01% of the best objective
     delta: float = 1e-3
+    kappa: float = 6.0  # FLOPs per parameter per token of the allocation: C = kappa N D
 
     E = property(lambda self: float(np.exp(self.theta[2])))
     A = property(lambda self: float(np.exp(self.theta[0])))
@@ -150,19 +153,33 @@ class ChinchillaFit:
         return self.E + self.A / n ** self.alpha + self.B / d ** self.beta
 
     def optimal(self, c) -> tuple[np.ndarray, np.ndarray]:
-        """(N_opt, D_opt) minimising L under C = 6 N D; c: FLOPs, scalar or array."""
-        return optimal_allocation(self.theta, c)
+        """(N_opt, D_opt) minimising L under C = kappa N D; c: FLOPs, scalar or array."""
+        return optimal_allocation(self.theta, c, self.kappa)
 
 
-def optimal_allocation(theta: np.ndarray, c) -> tuple[np.ndarray, np.ndarray]:
-    """N_opt, D_opt for theta (..., 5) (broadcast against c)."""
+def optimal_allocation(theta: np.ndarray, c, kappa: float = 6.0) -> tuple[np.ndarray, np.ndarray]:
+    """N_opt = G (C/kappa)^(beta/(alpha+beta)), D_opt = C / (kappa N_opt) for theta (..., 5) (broadcast
+    against c)."""
     theta = np.asarray(theta, float)
     a, b, alpha, beta = theta[..., 0], theta[..., 1], theta[..., 3], theta[..., 4]
     s = alpha + beta
     log_g = (np.log(alpha) + a - np.log(beta) - b) / s
-    log_c6 = np.log(np.asarray(c, float) / 6.0)
-    n_opt = np.exp(log_g + beta / s * log_c6)
-    return n_opt, np.asarray(c, float) / (6.0 * n_opt)
+    log_ck = np.log(np.asarray(c, float) / kappa)
+    n_opt = np.exp(log_g + beta / s * log_ck)
+    return n_opt, np.asarray(c, float) / (kappa * n_opt)
+
+
+def flops_per_param_token(n, d, c) -> tuple[float, float, float]:
+    """kappa = median_i C_i / (N_i D_i), the FLOPs per parameter per token that link the compute C to
+    (N, D) in the allocations, with its min and max over the runs. It is 6 when C = 6ND; with the
+    project's FLOPs (6 x active matmul weights, LM head included, plus the sequence-mixing terms,
+    k3lab/flops.py) and N = active non-embedding parameters it is a little above 6 and varies with
+    the model's shape, which the min and max show."""
+    k = np.asarray(c, float) / (np.asarray(n, float) * np.asarray(d, float))
+    k = k[np.isfinite(k) & (k > 0)]
+    if not len(k):
+        raise ValueError("no row has a positive, finite C / (N D)")
+    return float(np.median(k)), float(k.min()), float(k.max())
 
 
 def _prepare(n, d, loss) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,9 +195,10 @@ def _prepare(n, d, loss) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def fit_chinchilla(n, d, loss, grid: str | np.ndarray = "full", delta: float = 1e-3,
-                   n_jobs: Optional[int] = None, polish_top: int = 5) -> ChinchillaFit:
+                   n_jobs: Optional[int] = None, polish_top: int = 5, kappa: float = 6.0) -> ChinchillaFit:
     """Approach 3: L-BFGS-B from every start of `grid`, then the `polish_top` best distinct end points
-    polished with tight tolerances; the lowest objective wins. n, d, loss: (k,) arrays."""
+    polished with tight tolerances; the lowest objective wins. n, d, loss: (k,) arrays; kappa: the
+    allocation's C = kappa N D (the fit itself does not use C)."""
     data = (*_prepare(n, d, loss), delta)
     starts = init_grid(grid)
     jobs = _default_jobs() if n_jobs is None else n_jobs
@@ -203,7 +221,8 @@ def fit_chinchilla(n, d, loss, grid: str | np.ndarray = "full", delta: float = 1
     best = min(polished, key=lambda r: r.fun)
     near = int(np.sum(fs <= best.fun * (1 + 1e-4)))
     return ChinchillaFit(theta=best.x.copy(), objective=float(best.fun), converged=_is_converged(best, data),
-                         n_points=len(data[0]), n_starts=len(starts), n_near_best=near, delta=delta)
+                         n_points=len(data[0]), n_starts=len(starts), n_near_best=near, delta=delta,
+                         kappa=kappa)
 
 
 @dataclass
@@ -213,6 +232,7 @@ class ChinchillaBootstrap:
     replicates: pd.DataFrame
     seed: int
     init: np.ndarray
+    kappa: float = 6.0  # the allocation's C = kappa N D
 
     @property
     def n_requested(self) -> int:
@@ -234,12 +254,12 @@ class ChinchillaBootstrap:
                              "se": g[list(columns)].std(ddof=1)})
 
     def optimal_ci(self, budgets: Sequence[float], level: float = 0.95) -> pd.DataFrame:
-        """N_opt(C), D_opt(C) percentile intervals at each budget."""
+        """N_opt(C), D_opt(C) percentile intervals at each budget (C = kappa N D)."""
         th = self.good[list(THETA_NAMES)].to_numpy()
         q = (1 - level) / 2
         rows = []
         for c in budgets:
-            n_opt, d_opt = optimal_allocation(th, c)
+            n_opt, d_opt = optimal_allocation(th, c, self.kappa)
             rows.append({"C": c, "N_lo": np.quantile(n_opt, q), "N_hi": np.quantile(n_opt, 1 - q),
                          "D_lo": np.quantile(d_opt, q), "D_hi": np.quantile(d_opt, 1 - q),
                          "D/N_lo": np.quantile(d_opt / n_opt, q), "D/N_hi": np.quantile(d_opt / n_opt, 1 - q)})
@@ -255,10 +275,11 @@ def _theta_frame(th: np.ndarray) -> dict:
 
 def bootstrap_chinchilla(n, d, loss, n_boot: int = 4000, seed: int = 42, init: Optional[np.ndarray] = None,
                          delta: float = 1e-3, method: str = "L-BFGS-B", progress: bool = False,
-                         description: str = "bootstrap (approach 3)") -> ChinchillaBootstrap:
+                         description: str = "bootstrap (approach 3)", kappa: float = 6.0) -> ChinchillaBootstrap:
     """Non-parametric bootstrap over points (runs): resample with replacement, refit from `init` (the
     full-data best point; default Hoffmann's values), check each replicate's convergence (optimizer
-    success and max |gradient| < GRAD_TOL). method: 'L-BFGS-B' or 'BFGS' (Epoch's choice)."""
+    success and max |gradient| < GRAD_TOL). method: 'L-BFGS-B' or 'BFGS' (Epoch's choice). kappa: the
+    allocations' C = kappa N D."""
     from rich.progress import track
 
     log_n, log_d, log_l = _prepare(n, d, loss)
@@ -277,7 +298,7 @@ def bootstrap_chinchilla(n, d, loss, n_boot: int = 4000, seed: int = 42, init: O
             ok[i] = _is_converged(res, data) and res.x[3] > 0 and res.x[4] > 0
     df = pd.DataFrame(_theta_frame(rows))
     df["objective"], df["converged"] = fun, ok
-    return ChinchillaBootstrap(replicates=df, seed=seed, init=init)
+    return ChinchillaBootstrap(replicates=df, seed=seed, init=init, kappa=kappa)
 
 
 def size_groups(n: np.ndarray, sig: int = 3) -> np.ndarray:
@@ -288,7 +309,7 @@ def size_groups(n: np.ndarray, sig: int = 3) -> np.ndarray:
 
 
 def leave_largest_out(n, d, loss, n_sizes: int = 1, grid: str | np.ndarray = "coarse",
-                      delta: float = 1e-3) -> tuple[ChinchillaFit, pd.DataFrame]:
+                      delta: float = 1e-3, kappa: float = 6.0) -> tuple[ChinchillaFit, pd.DataFrame]:
     """Fit approach 3 without the `n_sizes` largest model sizes and predict the held-out runs.
     Returns (fit on the rest, table N, D, loss, pred, rel_err = pred/loss - 1)."""
     n, d, loss = (np.asarray(x, float) for x in (n, d, loss))
@@ -296,7 +317,7 @@ def leave_largest_out(n, d, loss, n_sizes: int = 1, grid: str | np.ndarray = "co
     if len(sizes) <= n_sizes + 1:
         raise ValueError(f"{len(sizes)} distinct model sizes: too few to leave {n_sizes} out")
     held = size_groups(n) >= sizes[-n_sizes]
-    fit = fit_chinchilla(n[~held], d[~held], loss[~held], grid=grid, delta=delta)
+    fit = fit_chinchilla(n[~held], d[~held], loss[~held], grid=grid, delta=delta, kappa=kappa)
     pred = fit.predict(n[held], d[held])
     table = pd.DataFrame({"N": n[held], "D": d[held], "loss": loss[held], "pred": pred,
                           "rel_err": pred / loss[held] - 1})
@@ -369,26 +390,27 @@ def _parabolas(log_n, loss, budget) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _powerlaw_from_parabolas(par: pd.DataFrame) -> tuple[float, float, float, float]:
+def _powerlaw_from_parabolas(par: pd.DataFrame, kappa: float = 6.0) -> tuple[float, float, float, float]:
     v = par[par["valid"]]
     if len(v) < 2:
         raise ValueError(f"approach 2 needs >= 2 budgets with a valid parabola, got {len(v)}:\n"
                          f"{par[['C', 'n_runs', 'why']].to_string(index=False)}")
     lc, ln = np.log(v["C"].to_numpy()), np.log(v["N_opt"].to_numpy())
     a, log_k = np.polyfit(lc, ln, 1)
-    b, log_kd = np.polyfit(lc, lc - np.log(6.0) - ln, 1)
+    b, log_kd = np.polyfit(lc, lc - np.log(kappa) - ln, 1)
     return a, log_k, b, log_kd
 
 
-def fit_isoflop(n, c, loss, budget=None, tol_dex: float = 0.05, n_boot: int = 1000, seed: int = 0) -> IsoFlopFit:
+def fit_isoflop(n, c, loss, budget=None, tol_dex: float = 0.05, n_boot: int = 1000, seed: int = 0,
+                kappa: float = 6.0) -> IsoFlopFit:
     """Approach 2: per budget a parabola L = p2 x^2 + p1 x + p0 in x = log N (>= 3 sizes, convex, vertex
     inside the sampled sizes), then log N_opt = log k + a log C by least squares over budgets; D_opt =
-    C / (6 N_opt). Bootstrap: runs resampled within each budget."""
+    C / (kappa N_opt). Bootstrap: runs resampled within each budget."""
     n, c, loss = (np.asarray(x, float) for x in (n, c, loss))
     budget = flop_budgets(c, tol_dex) if budget is None else np.asarray(budget, float)
     log_n = np.log(n)
     par = _parabolas(log_n, loss, budget)
-    a, log_k, b, log_kd = _powerlaw_from_parabolas(par)
+    a, log_k, b, log_kd = _powerlaw_from_parabolas(par, kappa)
     rng = np.random.default_rng(seed)
     groups = [np.flatnonzero(budget == cb) for cb in np.unique(budget)]
     boots = []
@@ -396,7 +418,7 @@ def fit_isoflop(n, c, loss, budget=None, tol_dex: float = 0.05, n_boot: int = 10
         for _ in range(n_boot):
             idx = np.concatenate([rng.choice(g, len(g)) for g in groups])
             try:
-                ab = _powerlaw_from_parabolas(_parabolas(log_n[idx], loss[idx], budget[idx]))
+                ab = _powerlaw_from_parabolas(_parabolas(log_n[idx], loss[idx], budget[idx]), kappa)
             except ValueError:
                 continue
             boots.append((ab[0], ab[2]))
@@ -594,15 +616,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--budgets", default="1e18,1e20,1e22", help="FLOP budgets for N_opt, D_opt (comma list)")
     args = p.parse_args(argv)
     table = scaling_table_from_args(args)
-    fit = fit_chinchilla(table["N"], table["D"], table["loss"], grid=args.grid)
+    kappa, k_lo, k_hi = flops_per_param_token(table["N"], table["D"], table["C"])
+    fit = fit_chinchilla(table["N"], table["D"], table["loss"], grid=args.grid, kappa=kappa)
     print(f"approach 3 on {fit.n_points} points, {fit.n_starts} starts ({fit.n_near_best} reach the best), "
-          f"converged={fit.converged}")
+          f"converged={fit.converged}; allocations under C = kappa N D, kappa = {kappa:.4g} "
+          f"(median C/(ND); {k_lo:.4g} to {k_hi:.4g})")
     for k, v in fit.params().items():
         print(f"  {k:>20s} = {v:.6g}")
     budgets = [float(x) for x in args.budgets.split(",")]
     if args.n_boot:
         boot = bootstrap_chinchilla(table["N"], table["D"], table["loss"], n_boot=args.n_boot, seed=args.seed,
-                                    init=fit.theta, progress=True)
+                                    init=fit.theta, progress=True, kappa=kappa)
         print(f"bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged")
         print(boot.ci().to_string(float_format=lambda v: f"{v:.4g}"))
         print(boot.optimal_ci(budgets).to_string(float_format=lambda v: f"{v:.4g}"))

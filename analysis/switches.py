@@ -9,7 +9,7 @@ SWITCH_OPTIONS: dict[str, tuple[str, ...]] = {
     "balance": ("qb", "sign", "aux", "none"),
     "optim": ("muon_per_head", "muon", "adamw"),
     "residual": ("block_attnres", "full_attnres", "standard"),
-    "moe": ("latent_norm", "latent", "standard", "dense"),
+    "moe": ("latent_norm", "latent", "standard", "dense", "dense_matched"),
     "mixer": ("hybrid", "mla", "kda"),
 }
 SWITCHES: tuple[str, ...] = tuple(SWITCH_OPTIONS)

@@ -13,4 +13,6 @@ given ``--out PATH``. Measured tables, with command, commit, date and machine: `
   memory; ``--profile`` and ``--tune`` for the fused mix kernels.
 - ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop.
 - ``qb_lag``: trains with a probe that splits Quantile Balancing's MaxVio into its causes.
+- ``step``: the training step of any config, in a bare loop and through run.py's trainer, tokens/s, ms/step,
+  MFU and peak memory, one row per ``--variants`` override set; ``--fla`` adds fla's ``KDAForCausalLM``.
 """

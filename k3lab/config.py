@@ -66,7 +66,9 @@ class GLUConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN."""
+    """Mixture-of-experts FFN (K3 eq. 11; LatentMoE arXiv:2601.18089). `dense` = one GLU FFN of width
+    model.ffn_hidden; `dense_matched` = one GLU FFN with the active parameters of latent_norm at these
+    settings (k3lab.model.moe.matched_dense_hidden)."""
     name: str = K3_DEFAULT["moe"]
     n_experts: int = 8           # routed experts before latent scaling
     top_k: int = 2               # experts per token before latent scaling
@@ -110,6 +112,7 @@ class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
     checkpoint_kda: bool = False    # any backend: rerun each KDA call in the backward, keep only its inputs
+    ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
 
 
 @dataclass
@@ -165,6 +168,8 @@ class ModelConfig:
             check_option(switch, getattr(self, switch).name)
         check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
         check_at_least("model", self, 1, "n_layers", "head_dim")
+        if self.kernels.ce_chunk < 0:
+            raise ConfigError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
         if self.width % self.head_dim:
             raise ConfigError(f"model width {self.width} is not a multiple of model.head_dim={self.head_dim}")
         return self
@@ -180,9 +185,11 @@ class OptimConfig:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
+    ns_dtype: str = "bf16"       # Newton-Schulz precision: bf16 (Muon, Moonlight) or fp32 (exact comparisons)
     weight_decay: float = 0.1
     eps: float = 1e-8
     warmup_steps: int = 50
+    warmup_frac: Optional[float] = None  # set: the warm-up is this fraction of the run's steps (replaces warmup_steps)
     min_lr_ratio: float = 0.1    # cosine decays to this fraction of the peak
     grad_clip: float = 1.0
 
@@ -239,17 +246,23 @@ class RunConfig:
 
 @dataclass
 class TrainConfig:
-    """How long a run trains and how often it validates, logs and checkpoints, in optimizer steps."""
-    max_steps: int = 200
+    """How long a run trains (k3lab/budget.py: at most one of max_steps, tokens_per_param and flop_budget;
+    none: default_steps) and how often it validates, logs and checkpoints, in optimizer steps."""
+    max_steps: Optional[int] = None
+    tokens_per_param: Optional[float] = None
+    flop_budget: Optional[float] = None
+    default_steps: int = 200
     val_every: int = 50          # validate every N steps (and at step 0 and the end)
     val_batches: int = 0         # 0: the whole validation set
     log_every: int = 10
     ckpt_every: int = 50
-    compile: bool = False        # torch.compile the model (GPU)
+    compile: Optional[bool] = None   # null: on for GPUs, off for the CPU
+    compile_backend: str = "inductor"
     overfit_batches: int = 0     # >0: train (and validate) on that many fixed batches (debug=overfit)
+    preempt_signal: Optional[str] = "USR2"  # save at the next logging step and stop (k3lab/preempt.py)
 
     def check(self) -> "TrainConfig":
-        check_at_least("train", self, 1, "max_steps", "val_every", "log_every", "ckpt_every")
+        check_at_least("train", self, 1, "val_every", "log_every", "ckpt_every")
         check_at_least("train", self, 0, "val_batches", "overfit_batches")
         return self
 
@@ -363,6 +376,9 @@ def check_config(cfg: DictConfig) -> None:
     key; run.py and k3lab.train.train call this before any run directory exists. Cheap: torch is imported
     only to check a GPU accelerator, wandb only when it is asked for."""
     typed(RunConfig, OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunConfig)]))
+    from k3lab.budget import length_key
+
+    length_key(cfg.train)  # first: it names the run-length keys' rule
     typed(TrainConfig, cfg.train).check()
     data = typed(DataConfig, cfg.data).check()
     if data.name == "tokens":

@@ -1,8 +1,13 @@
 """Collectives over data-parallel ranks for statistics the model pools (router load, QB quantiles).
 
 Each is the identity in a single process, so the model code that calls them runs unchanged on one
-device, under DDP, or in a test. torch.distributed only: the tensors are small (per-expert counts,
-one batch of router margins), so no strategy-level API is needed.
+device, under DDP or FSDP, or in a test. torch.distributed only: the tensors are small (per-expert
+counts, one batch of router margins), so no strategy-level API is needed.
+
+They use the default (world) process group, which is the data-parallel group: under trainer=ddp every
+process is a data-parallel rank, and under trainer=fsdp the mesh is 1-D over every process
+(k3lab.parallel.ShardedStrategy; K3LitModule.configure_model refuses a mesh that leaves any out), so
+a QB quantile is taken over the tokens of every rank's batch.
 """
 from __future__ import annotations
 
@@ -42,6 +47,3 @@ def broadcast_from_rank0(t: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.broadcast(t, src=0)
     return t
-
-
-# --- Quantile Balancing (K3 eqs. 13-14) ---------------------------------------------------------

@@ -2,8 +2,25 @@
 
 Metrics go straight to the trainer's loggers (JsonlLogger, plus wandb when enabled) with explicit
 steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
-The loss is checked for NaN/inf on every step (one host sync per step, and under DDP one all-reduce
-of a flag so every rank stops together): a bad step must fail before the checkpoint callback can save it.
+
+Host syncs. A training step reads nothing back from the device: its loss and gradient norm join a window
+of device tensors, and `check_finite` reads the window (one all-reduce, one copy to the host) only at the
+steps that need it: those that log (every train.log_every and the last) and those after which the
+checkpoint callback saves (every train.ckpt_every); a step's read runs in configure_gradient_clipping,
+after its backward and before its optimizer step. A validation that finds unread steps (training stopped
+between reads, by a callback) reads them first; k3lab.train validates before its final checkpoint. A non-finite loss or gradient norm anywhere in the
+window stops every rank there, naming the first bad step. A bad step between two reads has already
+updated the weights when it is found, but they are never saved: the next checkpoint step is a read step
+and stops before its update, so checkpoints/last.ckpt keeps the last weights of a fully finite window.
+Reading at the log and checkpoint steps, rather than keeping a device-side flag that skips bad updates,
+costs no sync beyond the one logging needs and keeps the optimizer's code as it is. Validation sums its
+loss, hits and counts on the device and reads them once, at its end.
+
+train.compile compiles the model (k3lab.train.compile_mode); training steps run it compiled, validation
+eagerly (validation_step says why).
+
+Under trainer=fsdp, `configure_model` shards the model (k3lab.parallel); the reads above are then one
+all-reduce over every data-parallel rank, as under DDP.
 """
 from __future__ import annotations
 
@@ -12,13 +29,14 @@ import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from k3lab.config import OptimConfig
 from k3lab.errors import UserError
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
 from k3lab.optim import lightning_optimizers
+from k3lab.parallel import is_sharded, shard_model
 
 # dense bf16 peak FLOP/s by device-name fragment, for MFU
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -28,15 +46,47 @@ class NonFiniteLossError(UserError, RuntimeError):
     """The loss stopped being finite; the message gives the step and what to change (printed as one line)."""
 
 
-def check_finite(loss: torch.Tensor, step: int, reduce) -> None:
-    """Raise NonFiniteLossError on every rank when the loss is not finite on any rank. `reduce` is the
-    strategy's (tensor, reduce_op) -> tensor: one all-reduce of a flag under DDP, so no rank stops alone
-    and leaves the others waiting in the next collective; the identity on one device."""
-    bad = reduce(torch.tensor(float(not torch.isfinite(loss)), device=loss.device), reduce_op="sum")
-    if bad > 0:
-        raise NonFiniteLossError(
-            f"loss is {loss.item()} at step {step} (not finite on {int(bad)} rank(s)); stopping. The last "
-            f"good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)")
+def check_finite(loss: torch.Tensor, step: int, reduce,
+                 grad_norm: torch.Tensor | None = None) -> tuple[list[float], list[float]]:
+    """Read the training losses of the W steps ending at `step`, and stop every rank if one is not finite.
+
+    loss [W] (or 0-dim: W = 1): this rank's losses of steps step-W+1 .. step, a step numbered by the
+    global_step it runs at (0-based); grad_norm [W] or None: their gradient norms (the same on every rank,
+    taken from the averaged gradients). `reduce` is the strategy's (tensor, reduce_op) -> tensor: one
+    all-reduce (sum) of the losses and their non-finite flags under DDP, the identity on one device; then
+    one copy to the host. Every rank reads the same sums, so all raise NonFiniteLossError together (none is
+    left waiting in the next collective), naming the first step whose loss was not finite on some rank, or
+    whose gradient norm was not. Returns the losses summed over ranks and the gradient norms (empty without
+    grad_norm), one per step, as floats.
+    """
+    loss = loss.detach().reshape(-1).double()
+    reduced = reduce(torch.stack([loss, (~torch.isfinite(loss)).double()]), reduce_op="sum")
+    norms = grad_norm.detach().reshape(-1).double() if grad_norm is not None else loss.new_zeros(0)
+    values = torch.cat([reduced.reshape(-1), norms]).tolist()
+    W = loss.numel()
+    sums, n_bad, norms = values[:W], values[W:2 * W], values[2 * W:]
+    keep = "The last good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)"
+    for i in range(W):
+        at = step - W + 1 + i
+        if n_bad[i] > 0:
+            raise NonFiniteLossError(f"loss is {sums[i]} at step {at} (not finite on {int(n_bad[i])} rank(s)); "
+                                     f"stopping. {keep}")
+        if norms and not math.isfinite(norms[i]):
+            raise NonFiniteLossError(f"gradient norm is {norms[i]} at step {at} (the loss was finite); "
+                                     f"stopping. {keep}")
+    return sums, norms
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of `params` to global L2 norm `max_norm` (inf: only measure); returns the norm
+    before clipping as a 0-dim device tensor (no host sync). Gradients may be DTensor shards (FSDP2): their
+    norm is the full gradient's."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
@@ -52,19 +102,24 @@ def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
 
 class K3LitModule(L.LightningModule):
     def __init__(self, model: K3Model, optim_cfg: OptimConfig, max_steps: int, log_every: int,
-                 tokens_per_step: int, flops_per_token: float):
+                 tokens_per_step: int, flops_per_token: float, ckpt_every: int = 0):
         super().__init__()
         self.model = model
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.log_every = log_every
+        self.ckpt_every = ckpt_every
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items()
                                 if torch.cuda.is_available() and k in torch.cuda.get_device_name()), None)
-        self._loss_sum, self._loss_count, self._grad_norm = 0.0, 0, float("nan")
+        self._step_loss: torch.Tensor | None = None
+        self._window: list[torch.Tensor] = []  # per step since the last read: [loss, grad norm] on the device
+        self._loss_sum, self._loss_count, self._steps = 0.0, 0, 0  # since the last log: read losses, steps run
+        self._grad_norm = float("nan")
+        self.last_train_loss = float("nan")  # mean over ranks and steps since the last log, as of the last read
         self._t_last = time.perf_counter()
-        self._val_loss_sum = self._val_correct = self._val_count = 0
+        self._val_totals: torch.Tensor | None = None
         self.last_val: dict[str, float] = {}
         self.last_depth: dict = {}
         self.elapsed_offset = 0.0  # wall time of the run before a resume
@@ -76,16 +131,34 @@ class K3LitModule(L.LightningModule):
     # --- training -------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         x, y = batch
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        check_finite(loss, self.global_step, self.trainer.strategy.reduce)
-        self._loss_sum += loss.item()
-        self._loss_count += 1
-        return loss + self.model.aux_loss().to(loss.device)
+        loss = self.model(x, y).mean
+        self._step_loss = loss.detach()
+        self._steps += 1
+        return loss + self.model.aux_loss()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Clip to optim.grad_clip, and read the window when the step about to be taken logs or is saved."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), clip).item()
+        norm = clip_grad_norm(self.parameters(), clip)
+        self._window.append(torch.stack([self._step_loss.float(), norm.float()]))
+        if self.read_due(self.global_step + 1):
+            self.read_window(self.global_step)
+
+    def read_due(self, done: int) -> bool:
+        """Whether the window is read in the step after which `done` optimizer steps are complete: it logs
+        (a multiple of log_every, or the last step) or the checkpoint callback saves after it."""
+        return (done % self.log_every == 0 or done == self.max_steps
+                or (self.ckpt_every > 0 and done % self.ckpt_every == 0))
+
+    def read_window(self, last_step: int) -> None:
+        """check_finite on the window, whose last step is `last_step` (0-based); adds its losses to the log's."""
+        window = torch.stack(self._window)  # [W, 2]
+        self._window = []
+        sums, norms = check_finite(window[:, 0], last_step, self.trainer.strategy.reduce, window[:, 1])
+        self._loss_sum += sum(sums)
+        self._loss_count += len(sums) * self.trainer.world_size
+        self._grad_norm = norms[-1]
+        self.last_train_loss = self._loss_sum / self._loss_count
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
@@ -96,13 +169,10 @@ class K3LitModule(L.LightningModule):
         if step % self.log_every and step != self.max_steps:
             return
         now = time.perf_counter()
-        tokens_per_s = self._loss_count * self.tokens_per_step / max(now - self._t_last, 1e-9)
-        # the training loss of the global batch: mean over every rank's micro-batches (one all-reduce)
-        totals = torch.tensor([self._loss_sum, self._loss_count], dtype=torch.float64, device=self.device)
-        loss_sum, loss_count = self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()
+        tokens_per_s = self._steps * self.tokens_per_step / max(now - self._t_last, 1e-9)
         groups = {g["name"]: g["lr"] for g in self.optimizers().param_groups}
         metrics = {
-            "loss/train": loss_sum / max(loss_count, 1),
+            "loss/train": self.last_train_loss,  # the global batch: mean over every rank's steps since the last log
             "optim/lr": groups.get("muon", groups.get("adamw")),
             "optim/lr_adamw": groups.get("adamw", groups.get("adamw_no_decay")),
             "optim/grad_norm": self._grad_norm,
@@ -112,7 +182,7 @@ class K3LitModule(L.LightningModule):
         if self.peak_flops:
             metrics["speed/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.trainer.world_size)
         self.log_metrics(metrics)
-        self._loss_sum, self._loss_count, self._t_last = 0.0, 0, now
+        self._loss_sum, self._loss_count, self._steps, self._t_last = 0.0, 0, 0, now
 
     def router_metrics(self) -> dict[str, float]:
         out, maxvio = {}, []
@@ -132,22 +202,25 @@ class K3LitModule(L.LightningModule):
 
     # --- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self):
+        if self._window:  # training stopped between reads (a callback): name its bad step, not the NaN it causes
+            self.read_window(self.global_step - 1)
         self.model.residual.record = True  # depth diagnostics (output RMS per sublayer, AttnRes weights)
 
     def validation_step(self, batch, batch_idx):
+        """Eager even when the model is compiled: dynamo would otherwise add inference graphs (and, with the
+        depth recording on, graphs of its own) to every compiled frame, which with graph-breaking sublayers
+        (MoE) passes its recompile limit; validation is a small share of a run's steps."""
         x, y = batch
-        logits = self.model(x)
-        mask = y != -100
-        self._val_loss_sum += F.cross_entropy(logits[mask], y[mask], reduction="sum").item()
-        self._val_correct += (logits[mask].argmax(-1) == y[mask]).sum().item()
-        self._val_count += mask.sum().item()
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model(x, y)
+        totals = torch.stack([out.sum.double(), out.correct.double(), out.count.double()])
+        self._val_totals = totals if self._val_totals is None else self._val_totals + totals
 
     def on_validation_epoch_end(self):
-        totals = torch.tensor([self._val_loss_sum, self._val_correct, self._val_count], dtype=torch.float64,
-                              device=self.device)
-        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
-        loss_sum, correct, count = totals.tolist()
-        self._val_loss_sum = self._val_correct = self._val_count = 0
+        totals = self._val_totals if self._val_totals is not None else torch.zeros(3, dtype=torch.float64,
+                                                                                    device=self.device)
+        self._val_totals = None
+        loss_sum, correct, count = self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()
         self.model.residual.record = False
         self.last_depth = self.model.residual.diagnostics()
         if count == 0 or self.trainer.sanity_checking:
@@ -157,6 +230,24 @@ class K3LitModule(L.LightningModule):
         if not math.isfinite(self.last_val["loss/val"]):
             raise NonFiniteLossError(f"validation loss is {self.last_val['loss/val']} at step {self.global_step}")
 
-    # --- optimisation ---------------------------------------------------------------------------
+    # --- sharding and optimisation ----------------------------------------------------------------
+    def configure_model(self):
+        """Under trainer=fsdp (ModelParallelStrategy, which sets `device_mesh`), shard the model over the
+        data-parallel mesh (k3lab.parallel.shard_model), once: Lightning calls this hook again for each
+        trainer.validate/fit. Other strategies pass no mesh, and the model stays as it is.
+
+        The mesh must span every process: the model's own collectives (QB quantiles, router load, the
+        NaN flag; k3lab/distributed.py) pool over the default (world) process group, which is then
+        exactly the data-parallel group."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self.model):
+            return
+        dp = mesh["data_parallel"]
+        if dp.size() != self.trainer.world_size:
+            raise ValueError(f"the data-parallel mesh has {dp.size()} of {self.trainer.world_size} processes; "
+                             "k3lab pools router statistics over all processes, so every process must be a "
+                             "data-parallel rank")
+        shard_model(self.model, dp, bf16=self.trainer.precision == "bf16-mixed")
+
     def configure_optimizers(self):
         return lightning_optimizers(self.model, self.optim_cfg, total_steps=self.max_steps)

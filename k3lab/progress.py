@@ -5,6 +5,7 @@ few percent of the run instead of carriage-return redraws, and tables without co
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -14,12 +15,15 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from rich.table import Table
 
+from k3lab.budget import RunLength
 from k3lab.console import console
 from k3lab.switches import SWITCHES
 
 
 class LineProgress(Callback):
-    """Prints `step 120/600 (20%) | loss 5.123 | 14.2k tok/s | elapsed 0:31 | eta 2:04` about 20 times a run."""
+    """Prints `step 120/600 (20%) | loss 5.123 | 14.2k tok/s | elapsed 0:31 | eta 2:04` about 20 times a run.
+    The loss is the training module's `last_train_loss` (the mean over ranks and steps since the last log,
+    as of its last read from the device; `-` before the first read), so printing adds no host sync."""
 
     def __init__(self, max_steps: int, lines: int = 20):
         self.max_steps = max_steps
@@ -35,9 +39,10 @@ class LineProgress(Callback):
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.step0) / max(elapsed, 1e-9)
         eta = (self.max_steps - step) / max(rate, 1e-9)
-        loss = outputs["loss"].item() if isinstance(outputs, dict) else float("nan")
+        loss = pl_module.last_train_loss  # nan until the first read (a non-finite loss stops the run instead)
         tok_s = rate * pl_module.tokens_per_step
-        print(f"step {step}/{self.max_steps} ({100 * step / self.max_steps:.0f}%) | loss {loss:.3f} | "
+        print(f"step {step}/{self.max_steps} ({100 * step / self.max_steps:.0f}%) | "
+              f"loss {'-' if math.isnan(loss) else f'{loss:.3f}'} | "
               f"{tok_s / 1e3:.1f}k tok/s | elapsed {_clock(elapsed)} | eta {_clock(eta)}", flush=True)
 
     def on_validation_end(self, trainer, pl_module):
@@ -58,7 +63,7 @@ def progress_callback(max_steps: int) -> Callback:
 
 @rank_zero_only
 def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_token: float,
-                     unigram_entropy: float, tokens_per_step: int) -> None:
+                     unigram_entropy: float, tokens_per_step: int, length: RunLength) -> None:
     table = Table(title=f"k3lab run -> {run_dir}", show_header=False)
     for switch in SWITCHES:
         table.add_row(switch, str(cfg[switch].name))
@@ -67,7 +72,10 @@ def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_tok
         table.add_row(key.replace("_", " "), f"{value:,}")
     table.add_row("FLOPs / token", f"{flops_per_token:.3e}")
     table.add_row("tokens / step", f"{tokens_per_step:,}")
-    table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * cfg.train.max_steps:.3e}")
+    by = f" (train.{length.set_by}={cfg.train[length.set_by]})" if length.set_by in ("tokens_per_param",
+                                                                                  "flop_budget") else ""
+    table.add_row("steps", f"{length.max_steps:,}{by}")
+    table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * length.max_steps:.3e}")
     table.add_row("unigram entropy", f"{unigram_entropy:.4f} nats (the loss of a frequency-only model)")
     console(110).print(table)
 

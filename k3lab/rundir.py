@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -21,9 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.load import _METADATA_FILENAME as SHARDED_META  # non-tensor state: loops, global_step
 from lightning.pytorch.loggers.logger import Logger
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,36 +41,55 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, lambda f: torch.save(checkpoint, f))
 
 
-class StepCheckpoint(Callback):
-    """Writes checkpoints/last.ckpt every `every` optimizer steps. At a step that also validates (every
-    `val_every` steps; None when the run never validates while training) it is written after the
-    validation, so a checkpoint marks a point whose metrics are all in metrics.jsonl: a run killed during
-    a validation resumes from the checkpoint before it and validates that step again, where a checkpoint
-    written first would resume past the validation and leave the curve without it."""
-
-    def __init__(self, path: Path, every: int, val_every: int | None):
-        self.path, self.every, self.val_every = Path(path), every, val_every
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step % self.every == 0 and (self.val_every is None or step % self.val_every):
-            trainer.save_checkpoint(self.path)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if (trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self.val_every is not None
-                and trainer.global_step % self.every == 0):
-            trainer.save_checkpoint(self.path)
-
-
 class UnreadableCheckpoint(UserError):
     """checkpoints/last.ckpt exists but cannot be loaded (truncated or damaged outside k3lab's atomic writes)."""
 
 
+# --- sharded checkpoints (trainer=fsdp): a directory of DCP shards behind the last.ckpt symlink ------
+def checkpoint_version(link: Path, step: int) -> str:
+    """A name beside `link` that no directory has yet, for the shards of the checkpoint at `step`:
+    `<link name>.<step, 8 digits>-<n>`, n counting saves at the same step."""
+    n = 0
+    while (link.parent / f"{link.name}.{step:08d}-{n}").exists():
+        n += 1
+    return f"{link.name}.{step:08d}-{n}"
+
+
+def publish_checkpoint(link: Path, target: Path) -> None:
+    """Point the symlink `link` at the finished checkpoint directory `target` (a sibling) in one rename,
+    then remove every other `<link name>.*` directory: older checkpoints, and any torn by a kill mid-write.
+    The link is relative, so a copied or moved run directory keeps its checkpoint."""
+    tmp = link.with_name(f".{link.name}.link{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)
+    if link.is_dir() and not link.is_symlink():  # a directory of shards in its place (os.replace cannot)
+        shutil.rmtree(link)
+    os.replace(tmp, link)
+    for old in link.parent.glob(f"{link.name}.*"):
+        if old.name != target.name and old.is_dir():
+            shutil.rmtree(old)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete the checkpoint at `path`: a file, or the symlink with every sharded directory beside it."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    for version in path.parent.glob(f"{path.name}.*"):
+        if version.is_dir():
+            shutil.rmtree(version)
+
+
 def checkpoint_step(path: Path) -> int:
-    """The global step a checkpoint was saved at; UnreadableCheckpoint when it cannot be loaded. The file
-    is left as it is: deleting it makes the next run of the same command restart from step 0."""
+    """The optimizer step a checkpoint was taken at: from the file itself, or from a sharded checkpoint's
+    meta.pt (the shards are not read). UnreadableCheckpoint when it cannot be loaded; the checkpoint is left
+    as it is: deleting it makes the next run of the same command restart from step 0."""
+    path = Path(path)
+    meta = path / SHARDED_META if path.is_dir() else path
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+        return int(torch.load(meta, map_location="cpu", weights_only=False)["global_step"])
     except Exception as err:  # noqa: BLE001 - a damaged zip, a short read, a missing key: all mean unreadable
         raise UnreadableCheckpoint(
             f"checkpoint {path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
@@ -148,6 +167,7 @@ def environment() -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "lightning": lightning.__version__},
         "device": device,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as the launcher set it (joblib, SLURM)
     }
 
 
@@ -312,7 +332,8 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     _remove_stale_temps(run_dir)
     if action == "resume":
         return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
-    for name in ("checkpoints/last.ckpt", "summary.json", "metrics.jsonl", "metrics.csv"):  # checkpoint first
+    remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
+    for name in ("summary.json", "metrics.jsonl", "metrics.csv"):
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

@@ -37,9 +37,10 @@ SWITCHES: dict[str, Switch] = {
     "residual": Switch(("block_attnres", "full_attnres", "standard"),
                        "residual stream: Attention Residuals over blocks / every sublayer vs PreNorm",
                        "k3lab/model/attnres.py, k3lab/model/residual.py"),
-    "moe": Switch(("latent_norm", "latent", "standard", "dense"),
-                  "FFN: K3's normalised LatentMoE vs LatentMoE vs full-width MoE vs one dense FFN",
-                  "k3lab/model/moe.py"),
+    "moe": Switch(("latent_norm", "latent", "standard", "dense", "dense_matched"),
+                  "FFN: K3's normalised LatentMoE vs LatentMoE vs full-width MoE vs one dense FFN vs a dense FFN "
+                  "with latent_norm's active parameters",
+                  "k3lab/model/moe.py, k3lab/model/k3.py (build_ffn)"),
     "mixer": Switch(("hybrid", "mla", "kda"),
                     "sequence-mixer layout: 3 KDA : 1 gated MLA vs all MLA vs all KDA",
                     "k3lab/config.py (ModelConfig.layer_kinds), k3lab/model/kda.py, k3lab/model/mla.py"),
@@ -54,7 +55,7 @@ GROUPS: dict[str, str] = {
     "model": "model size; each file states every model setting (ladder: one depth dial, width = 64 x model.n_layers)",
     "data": "what the model reads: State of the Union text (no download), your text (data=text data.path=<file or "
             "folder>), MQAR recall, or token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>)",
-    "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP)",
+    "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP, or FSDP2 sharding)",
     "logger": "mirrors of metrics.jsonl: none, Weights & Biases (offline unless logged in) or TensorBoard; "
               'pip install -e ".[wandb]" or ".[tensorboard]"; both: logger=[wandb,tensorboard]',
     "experiment": "presets of several groups and settings (a task with its training length)",

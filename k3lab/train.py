@@ -5,10 +5,13 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
 
     run directory   k3lab.rundir.prepare_run_dir   (new, restarted, or the one being resumed)
     data            k3lab.data.K3DataModule
-    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone
+    model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone;
+                                                   model.compile() when train.compile is on
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
+    run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
     loggers         metrics.jsonl (+ TensorBoard, wandb)
-    trainer         Lightning, with the checkpoint callback and the progress display
+    trainer         Lightning, with the checkpoint callback, the progress display and the preemption
+                    checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
 
 Before any of it, `check_config` types every group and checks the paths and packages the run needs,
 so a bad setting fails in a second with one line and leaves nothing on disk (k3lab/errors.py).
@@ -26,22 +29,24 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from k3lab.config import (DataConfig, LoggerConfig, OptimConfig, TrainConfig, TrainerConfig, check_config, model_config,
-                          typed)
+from k3lab.budget import run_length
+from k3lab.config import DataConfig, LoggerConfig, OptimConfig, TrainerConfig, check_config, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
+from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
+from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
 from k3lab.progress import print_final, print_run_header, progress_callback
-from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, StepCheckpoint, Summary, UnreadableCheckpoint, checkpoint_step,
-                          environment, prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
+from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, environment,
+                          prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
 from k3lab.switches import SWITCHES
 
 
@@ -52,6 +57,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     is written (check_config); any failure after the directory exists is recorded there as `failed`."""
     quiet_lightning()
     check_config(cfg)
+    if cfg.train.get("preempt_signal"):
+        signal_number(cfg.train.preempt_signal)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
@@ -72,6 +79,10 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     summary = Summary(run_dir, fields, elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
     loggers: list = []
+    job = JobProcesses()  # the worker processes and process group of this run end with it
+    preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", cfg.train.get("preempt_signal"),
+                                      cfg.train.log_every)
+    preemption.install()
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
@@ -84,36 +95,47 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
             datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
-        train_cfg: TrainConfig = typed(TrainConfig, cfg.train)
-        world = cfg.trainer.devices if cfg.trainer.devices != -1 else max(torch.cuda.device_count(), 1)
-        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * world * cfg.trainer.num_nodes
+        if compile_mode(cfg):
+            model.compile(backend=cfg.train.compile_backend)
+        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
-        module = K3LitModule(model, typed(OptimConfig, cfg.optim), train_cfg.max_steps, train_cfg.log_every,
-                             tokens_per_step, fpt)
+        counts = model.param_counts()
+        length = run_length(cfg.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
+        module = K3LitModule(model, typed(OptimConfig, cfg.optim), length.max_steps, cfg.train.log_every,
+                             tokens_per_step, fpt, ckpt_every=cfg.train.ckpt_every)
         module.elapsed_offset = elapsed
-        known.update(counts=model.param_counts(), tokens_per_step=tokens_per_step, fpt=fpt,
-                     train_tokens=datamodule.train_tokens)
+        known.update(counts=counts, tokens_per_step=tokens_per_step, fpt=fpt, train_tokens=datamodule.train_tokens)
         summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
-                       tokens_per_step=tokens_per_step, max_steps=train_cfg.max_steps, **known["counts"],
-                       flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
-        print_run_header(cfg, run_dir, known["counts"], fpt, datamodule.unigram_entropy(), tokens_per_step)
+                       tokens_per_step=tokens_per_step, max_steps=length.max_steps, length_from=length.set_by,
+                       tokens_per_param=cfg.train.get("tokens_per_param"), flop_budget=cfg.train.get("flop_budget"),
+                       **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
+        print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         if typed(LoggerConfig, cfg.logger).wandb is not None:
             summary.update(wandb_id=summary.data.get("wandb_id") or uuid.uuid4().hex[:12])  # one wandb run per directory
         loggers = build_loggers(cfg, run_dir, tokens_per_step, fpt, start_step, summary.data.get("wandb_id"))
-        trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches, callbacks)
+        trainer = job.trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches, length.max_steps,
+                                              [preemption, *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        if trainer.global_step % train_cfg.val_every:
+        if trainer.global_step % cfg.train.val_every:
             trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
         record_failure(summary, err, final_fields(run_dir, **known))
         close_loggers(loggers, failed=True)
+        job.end()
+        if isinstance(err, Preempted):
+            rank_zero_only(print)(f"{run_dir}: {err}")
+            preemption.restore()
+            preemption.hand_over()  # under submitit: requeue the job and exit
         raise
+    finally:
+        preemption.restore()
     close_loggers(loggers, failed=False)
+    job.end()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
@@ -139,6 +161,10 @@ def quiet_lightning() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*treespec.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # FSDP2 warns that a sublayer returns a view (e.g. MoE's reshape), whose pre-backward hook an in-place op
+    # would drop; the residual stream only ever adds sublayer outputs out of place (tests/test_fsdp.py
+    # checks every gradient against one process)
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def deterministic_mode(tc: DictConfig) -> bool | str:
@@ -149,13 +175,27 @@ def deterministic_mode(tc: DictConfig) -> bool | str:
     return tc.accelerator == "cpu" if mode is None else mode
 
 
+def compile_mode(cfg: DictConfig) -> bool:
+    """Whether the model is compiled, from train.compile: null means on for GPUs and off for the CPU (where
+    compiling a small model costs more than it saves); true and false are passed through. The model is
+    compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
+    parameter names, state dicts and checkpoints are those of the eager model."""
+    mode = cfg.train.get("compile")
+    if mode is None:
+        return cfg.trainer.accelerator != "cpu"
+    if mode not in (True, False):
+        raise ConfigError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
+    return mode
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,
                   wandb_id: str | None = None) -> list:
     """metrics.jsonl always (the source); TensorBoard and wandb as mirrors when the logger group names them.
 
     A resumed run continues its mirrors: TensorBoard drops the events a killed process logged after the
     checkpoint (purge_step), as metrics.jsonl does; wandb continues the run `wandb_id` (summary.json keeps it).
-    wandb leaves stdout alone (console="off"), so the log stays plain text when it is a file."""
+    wandb leaves stdout alone (console="off") and prints only where its files are (quiet), so the log
+    stays plain text when it is a file."""
     lc: LoggerConfig = typed(LoggerConfig, cfg.logger)
     loggers = [JsonlLogger(run_dir, tokens_per_step, fpt)]
     if lc.tensorboard is not None:
@@ -184,22 +224,40 @@ def close_loggers(loggers: list, failed: bool) -> None:
             logger.experiment.finish(exit_code=1 if failed else 0)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int,
+class StepCheckpoint(ModelCheckpoint):
+    """checkpoints/last.ckpt every `every_n_train_steps` optimizer steps, as ModelCheckpoint, except that at a
+    step that also validates (every `val_every`) it is written after the validation, through Lightning's own
+    deferral to on_validation_end. Written before it, a run killed during that validation would resume
+    after the step and never log the step's validation point."""
+
+    def __init__(self, val_every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.val_every = val_every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if (self._every_n_train_steps > 0 and step % self._every_n_train_steps == 0 and step % self.val_every == 0
+                and trainer.enable_validation and not self._should_skip_saving_checkpoint(trainer)):
+            self._defer_save_until_validation = True
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int, max_steps: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
-    tc, train_cfg = cfg.trainer, typed(TrainConfig, cfg.train)
-    validates = bool(train_cfg.val_batches or n_val_batches)
-    ckpt = StepCheckpoint(run_dir / "checkpoints" / "last.ckpt", train_cfg.ckpt_every,
-                          train_cfg.val_every if validates else None)
+    """The Lightning trainer of a run of `max_steps` optimizer steps (k3lab.budget.run_length)."""
+    tc = cfg.trainer
+    ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                          every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
     try:
         return L.Trainer(
-            accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, num_nodes=tc.num_nodes,
-            precision=tc.precision, max_steps=train_cfg.max_steps, max_epochs=-1,
-            val_check_interval=train_cfg.val_every, check_val_every_n_epoch=None,
-            limit_val_batches=train_cfg.val_batches or n_val_batches, num_sanity_val_steps=0,
-            overfit_batches=train_cfg.overfit_batches, logger=loggers, log_every_n_steps=train_cfg.log_every,
-            callbacks=[ckpt, progress_callback(train_cfg.max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
-            enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, enable_checkpointing=False,
-            default_root_dir=run_dir,
+            accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
+            precision=tc.precision, max_steps=max_steps, max_epochs=-1,
+            val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
+            limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
+            overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
+            callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
+            enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
             deterministic=deterministic_mode(tc),
         )
     except MisconfigurationException as err:  # Lightning's own check of the trainer settings

@@ -1,6 +1,9 @@
 """Analysis on synthetic data with a known truth: scaling fits recover the parameters, bootstrap intervals
 cover the truth at about the nominal rate, compute multipliers are recovered, ablation statistics match
-the effects written into synthetic run directories, and broken runs are skipped with their reason."""
+the effects written into synthetic run directories, cells never pool runs that differ in anything but the
+seed and bookkeeping, learning-rate grids are never averaged and the tuned comparison picks each option's
+own best rate on the tuning seeds, Holm and the minimum detectable effect agree with independent
+calculations, and every run directory is reported: used, partially read or skipped with its reason."""
 import json
 import shutil
 
@@ -10,11 +13,13 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import ablation_table, variant_labels
-from analysis.collect import collect, load_csv, select_rows
+from analysis.ablate import ablation_table, headline, holm, mde_paired, mde_welch, tuning_table, variant_labels
+from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
 from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              fit_loss_vs_compute, huber_lse_objective, init_grid, leave_largest_out)
-from analysis.synthetic import ABLATION_DELTAS, law, write_ablation_sweep, write_isoflop_grid, write_scaling_ladder
+                              flops_per_param_token, fit_loss_vs_compute, huber_lse_objective, init_grid,
+                              leave_largest_out)
+from analysis.synthetic import (ABLATION_DELTAS, law, write_ablation_sweep, write_isoflop_grid, write_lr_grid,
+                                write_run, write_scaling_ladder)
 
 TRUTH = {"E": 1.8, "A": 400.0, "B": 1500.0, "alpha": 0.34, "beta": 0.30}
 FEW_STARTS = np.array([[a, b, e, 0.5, 0.5] for a in (0.0, 10.0) for b in (0.0, 10.0) for e in (0.0, 1.0)])
@@ -95,7 +100,7 @@ def test_leave_largest_out_predicts_held_out_size():
 def test_isoflop_recovers_allocation_exponent(tmp_path):
     write_isoflop_grid(tmp_path, noise=0.0)
     runs = collect([tmp_path], curves=False).runs
-    iso = fit_isoflop(runs["params_active"], runs["flops"], runs["loss_val_final"], n_boot=50)
+    iso = fit_isoflop(runs["params_active_non_embedding"], runs["flops"], runs["loss_val_final"], n_boot=50)
     assert iso.parabolas["valid"].all() and len(iso.parabolas) == 4
     assert iso.a == pytest.approx(0.5, abs=0.02)  # beta / (alpha + beta) with alpha = beta
     assert iso.a + iso.b == pytest.approx(1.0, abs=1e-9)
@@ -145,23 +150,34 @@ def sweep(tmp_path):
     return tmp_path / "sweep", truth
 
 
-def test_collect_skips_broken_runs(sweep):
+def test_collect_reports_every_directory(sweep):
+    """Used, partially read (a truncated metrics.jsonl: its summary and good lines count) or skipped with the
+    reason, a directory without summary.json included; nothing is dropped silently."""
     root, truth = sweep
     col = collect([root])
     assert len(col.runs) == len(truth) == 18
+    assert len(col.dirs) == 21 and set(col.dirs["state"]) == {"used", "partial", "skipped"}
     reasons = dict(zip(col.skipped["run_id"], col.skipped["reason"]))
-    assert set(reasons) == {"failed-s0", "running-s0", "truncated-s0"}
+    assert set(reasons) == {"failed-s0", "running-s0", "nosummary-s0"}
     assert reasons["failed-s0"].startswith("failed: RuntimeError")
     assert "running" in reasons["running-s0"]
-    assert "truncated" in reasons["truncated-s0"]
+    assert reasons["nosummary-s0"].startswith("summary.json missing")
+    [(rid, why)] = zip(col.partial["run_id"], col.partial["reason"])
+    assert rid == "baseline-s2" and "truncated" in why and "20 good lines" in why
+    part = col.runs.set_index("run_id").loc["baseline-s2"]
+    assert part["loss_val_final"] == pytest.approx(truth["baseline-s2"] + law(2e6, 5e7)) and "truncated" in part["read_note"]
     # switches flattened into columns, config read, curves long and complete
     assert {"decay", "glu", "balance", "optim", "residual", "moe", "mixer"} <= set(col.runs.columns)
-    assert (col.runs["config.optim.lr"] == 0.02).all()
+    muon = col.runs["optim"] != "adamw"
+    assert (col.runs.loc[muon, "config.optim.lr"] == 0.006).all() and col.runs.loc[~muon, "config.optim.lr"].isna().all()
+    assert col.runs["overrides"].map(json.loads).map(lambda o: o[-1].startswith("seed=")).all()
     assert set(col.curves["run_id"]) == set(col.runs["run_id"])
     lv = col.curves[col.curves["metric"] == "loss/val"]
-    assert lv.groupby("run_id").size().eq(20).all()
+    sizes = lv.groupby("run_id").size()
+    assert sizes.drop("baseline-s2").eq(21).all() and sizes["baseline-s2"] == 20  # step 0 + 20; the cut line lost
     last = lv.sort_values("step").groupby("run_id")["value"].last()
-    np.testing.assert_allclose(last.loc[col.runs["run_id"]].to_numpy(), col.runs["loss_val_final"].to_numpy())
+    whole = col.runs[col.runs["run_id"] != "baseline-s2"]
+    np.testing.assert_allclose(last.loc[whole["run_id"]].to_numpy(), whole["loss_val_final"].to_numpy())
     # globs and several paths give the same runs
     col2 = collect([str(root / "baseline-*"), str(root / "glu-*")], curves=False)
     assert len(col2.runs) == 6
@@ -235,9 +251,11 @@ def test_report_end_to_end(tmp_path):
     path = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--grid", "coarse", "--n-boot", "10",
                    "--n-boot-small", "10"])
     text = path.read_text()
-    for needle in ("Skipped runs", "failed: RuntimeError", "## Ablations", "paired t", "Approach 3",
-                   "Compute multiplier", "Leave-largest-size-out"):
+    for needle in ("Skipped runs", "failed: RuntimeError", "summary.json missing", "Partially read runs",
+                   "## Headline", "## Ablations", "paired t", "p (Holm)", "Approach 3", "Compute multiplier",
+                   "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding"):
         assert needle in text, needle
+    assert text.index("## Headline") < text.index("## Ablations")
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
     assert all(p.stat().st_size < 150_000 and p.with_suffix(".svg").exists() for p in pngs)
@@ -271,6 +289,8 @@ def test_repeated_runs_of_one_seed_count_once():
     glu = table[table["switch"] == "glu"].set_index("option")
     assert glu.loc["situ", "n"] == 2 and glu.loc["swiglu", "n"] == 2
     assert glu.loc["swiglu", "delta"] == pytest.approx(0.1)
+    assert "seed 0 run 2 times (averaged)" in glu.loc["situ", "warnings"]  # flagged, never silently
+    assert "times" not in glu.loc["swiglu", "warnings"] and "n=2 < 3 seeds" in glu.loc["swiglu", "warnings"]
 
 
 def test_sizes_of_one_model_config_are_separate_cells():
@@ -286,3 +306,283 @@ def test_sizes_of_one_model_config_are_separate_cells():
     assert sorted(swiglu.index) == [2, 4]
     assert (swiglu["n"] == 1).all()
     assert swiglu["delta"].tolist() == pytest.approx([0.05, 0.05])
+
+
+# --------------------------------------------------------------------------------------------------
+# Cells: the whole config but the seed, the bookkeeping and the keys compared
+# --------------------------------------------------------------------------------------------------
+
+def test_a_run_differing_in_an_off_switch_key_is_a_cell_of_its_own(sweep, tmp_path):
+    """Runs at another init scale (a key no switch owns) never pool with the rest: they form a cell of their
+    own, named by the key; bookkeeping (run name, output folder, logger, kernel backend, device count) does
+    not."""
+    root, truth = sweep
+    rng = np.random.default_rng(0)
+    base, swiglu = dict(analysis_default()), {**analysis_default(), "glu": "swiglu"}
+    for name, sw in (("std-base-s0", base), ("std-swiglu-s0", swiglu)):
+        write_run(root / name, sw, 0, 2e6, 5e7, 0.5, rng, config={"model": {"init_std": 0.01}})
+    write_run(root / "moved-swiglu-s5", swiglu, 5, 2e6, 5e7, 0.03, rng,
+              config={"out_dir": "/elsewhere", "logger": {"wandb": True}, "kernels": {"backend": "triton"},
+                      "trainer": {"devices": 2}})
+    tab = ablation_table(collect([root], curves=False).runs)
+    glu = tab[tab["switch"] == "glu"]
+    assert sorted(glu["cell"].unique()) == ["model.init_std=0.01", "model.init_std=0.02"]
+    main = glu[glu["cell"] == "model.init_std=0.02"].set_index("option")
+    assert main.loc["situ", "n"] == 3 and main.loc["swiglu", "n"] == 4      # s5 pools: it differs in bookkeeping only
+    assert "moved-swiglu-s5" in main.loc["swiglu", "run_ids"]
+    odd = glu[glu["cell"] == "model.init_std=0.01"].set_index("option")
+    assert odd.loc["situ", "run_ids"] == "std-base-s0" and odd.loc["swiglu", "n"] == 1
+    assert odd.loc["swiglu", "delta"] == pytest.approx(0.0, abs=1e-12)  # both at offset 0.5: nothing from the rest
+    assert not any("std-" in ids for ids in tab[tab["switch"] != "glu"]["run_ids"])  # the lone baseline: no row
+
+
+def analysis_default() -> dict:
+    from analysis.switches import K3_DEFAULT
+
+    return K3_DEFAULT
+
+
+# --------------------------------------------------------------------------------------------------
+# Learning-rate grids and the tuned comparison
+# --------------------------------------------------------------------------------------------------
+
+OPTIMA = {"latent_norm": (0.006, 0.01, 0.0), "dense_matched": (0.012, 0.01, 0.02)}
+
+
+def test_lr_grid_is_never_averaged(tmp_path):
+    """Untuned, every rate is a cell of its own: each option has 9 rows of 4 seeds, never one row of 36, and
+    each delta is the truth at that rate."""
+    truth = write_lr_grid(tmp_path, "moe", OPTIMA)
+    tab = ablation_table(collect([tmp_path], curves=False).runs)
+    moe = tab[tab["switch"] == "moe"]
+    for opt in OPTIMA:
+        rows = moe[moe["option"] == opt]
+        assert len(rows) == 9 and rows["rate"].nunique() == 9 and (rows["n"] == 4).all()
+    for _, r in moe[moe["option"] == "dense_matched"].iterrows():
+        ids = r["run_ids"].split(";")
+        base = [i.replace("dense_matched", "latent_norm") for i in ids]
+        assert r["delta"] == pytest.approx(np.mean([truth[i] for i in ids]) - np.mean([truth[i] for i in base]))
+
+
+def test_tuned_comparison_picks_each_options_rate_on_the_tuning_seeds(tmp_path):
+    """Tuned: each option at its own best rate, chosen on seed 1000 and reported on seeds 0-2; the row says the
+    rate and that dense_matched's best lr is the highest of the grid. The choice follows the tuning seed
+    alone: a tuning run made worse moves latent_norm's choice though the reported seeds disagree."""
+    truth = write_lr_grid(tmp_path, "moe", OPTIMA)
+    runs = collect([tmp_path], curves=False).runs
+    tab = ablation_table(runs, tune=True).set_index("option")
+    assert tab.loc["latent_norm", "rate"] == "optim.lr=0.006, optim.adam_lr=0.01"
+    assert tab.loc["dense_matched", "rate"] == "optim.lr=0.012, optim.adam_lr=0.01"
+    assert tab.loc["latent_norm", "grid_edge"] == "" and \
+        tab.loc["dense_matched", "grid_edge"] == "optim.lr at the highest of 3 values"
+    assert "grid edge" in tab.loc["dense_matched", "warnings"]
+    assert (tab["seeds"] == "0,1,2").all() and (tab["n"] == 3).all()
+    ids = tab.loc["dense_matched", "run_ids"].split(";")
+    assert all("lr0.012-alr0.01-s" in i for i in ids)
+    expected = np.mean([truth[i] for i in ids]) - np.mean([truth[i.replace("dense_matched", "latent_norm")
+                                                           .replace("lr0.012", "lr0.006")] for i in ids])
+    assert tab.loc["dense_matched", "delta"] == pytest.approx(expected)
+    tuning = tuning_table(ablation_table(runs, tune=True))
+    assert len(tuning) == 18 and tuning["chosen"].sum() == 2 and (tuning["n_tune"] == 1).all()
+    chosen = tuning[tuning["chosen"]].set_index("option")
+    assert chosen.loc["dense_matched", "command"] == ("python run.py -m moe=dense_matched optim.lr=0.012 "
+                                                      "optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2")
+    assert chosen.loc["latent_norm", "command"].startswith("python run.py -m moe=latent_norm optim.lr=0.006 ")
+    # make latent_norm's best rate look bad on the tuning seed only: the choice moves to a neighbour
+    run = runs.index[runs["run_id"] == "moe-latent_norm-lr0.006-alr0.01-s1000"][0]
+    runs.loc[run, "loss_val_final"] += 1.0
+    moved = ablation_table(runs, tune=True).set_index("option")
+    assert moved.loc["latent_norm", "rate"] != "optim.lr=0.006, optim.adam_lr=0.01"
+    assert moved.loc["latent_norm", "seeds"] == "0,1,2"
+
+
+def test_tuning_before_the_reported_seeds_prints_their_commands(tmp_path):
+    """Grid on the tuning seed only: the tuned rows have no reported runs yet and say which command runs them."""
+    write_lr_grid(tmp_path, "moe", OPTIMA, report_all=False)
+    tab = ablation_table(collect([tmp_path], curves=False).runs, tune=True).set_index("option")
+    assert (tab["n"] == 0).all() and tab.loc["dense_matched", "verdict"] == "no runs to compare"
+    assert ("no reported seeds at the chosen setting yet: python run.py -m moe=dense_matched optim.lr=0.012 "
+            "optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2") in tab.loc["dense_matched", "warnings"]
+
+
+def test_optimizers_are_tuned_on_their_own_rates(tmp_path):
+    """optim: Muon on lr x adam_lr, AdamW on adam_lr alone; AdamW's best at the grid's top is flagged."""
+    write_lr_grid(tmp_path, "optim", {"muon_per_head": (0.006, 0.01, 0.0), "adamw": (0.006, 0.02, 0.05)})
+    tab = ablation_table(collect([tmp_path], curves=False).runs, tune=True)
+    opt = tab[tab["switch"] == "optim"].set_index("option")
+    assert opt.loc["muon_per_head", "rate"] == "lr=0.006, adam_lr=0.01"
+    assert opt.loc["adamw", "rate"] == "adam_lr=0.02"
+    assert opt.loc["adamw", "grid_edge"] == "adam_lr at the highest of 3 values"
+    assert opt.loc["adamw", "delta"] == pytest.approx(0.05, abs=0.01)
+
+
+# --------------------------------------------------------------------------------------------------
+# Holm, minimum detectable effects, N and FLOPs per row
+# --------------------------------------------------------------------------------------------------
+
+def holm_by_hand(p):
+    """Holm's step-down adjustment written out: sort, multiply the i-th smallest by m - i + 1, running max, cap 1."""
+    p = np.asarray(p, float)
+    order = np.argsort(p)
+    m = len(p)
+    adj = np.maximum.accumulate([(m - i) * p[j] for i, j in enumerate(order)])
+    out = np.empty(m)
+    out[order] = np.minimum(adj, 1.0)
+    return out
+
+
+def test_holm_adjusts_over_the_whole_table(sweep):
+    from statsmodels.stats.multitest import multipletests
+
+    root, _ = sweep
+    tab = ablation_table(collect([root], curves=False).runs)
+    p = tab["p_value"].dropna().to_numpy()
+    assert tab.attrs["n_comparisons"] == len(p) == 5
+    np.testing.assert_allclose(tab["p_holm"].dropna(), multipletests(p, method="holm")[1])
+    np.testing.assert_allclose(tab["p_holm"].dropna(), holm_by_hand(p))
+    np.testing.assert_allclose(holm([0.01, np.nan, 0.04, 0.03]), [0.03, np.nan, 0.06, 0.06])
+    assert (tab["p_holm"].dropna() >= tab["p_value"].dropna()).all()
+
+
+def test_mde_is_the_effect_the_test_detects_with_power_08():
+    """Paired: d* x sd of the differences with d* from statsmodels' TTestPower, and the noncentral t power at
+    the MDE is 0.8. Welch: an independent simulation of scipy's Welch test rejects in 80% of draws at the MDE
+    (few seeds, unequal spreads), and with many seeds and equal spreads it meets the pooled t-test's
+    TTestIndPower."""
+    from statsmodels.stats.power import TTestIndPower, TTestPower
+
+    sd, n = 0.02, 3
+    mde = mde_paired(sd, n)
+    assert mde == pytest.approx(TTestPower().solve_power(nobs=n, alpha=0.05, power=0.8) * sd)
+    nc, crit = mde / (sd / np.sqrt(n)), stats.t.ppf(0.975, n - 1)
+    assert stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc) == pytest.approx(0.8, abs=1e-6)
+    rng = np.random.default_rng(7)
+    for sa, na, sb, nb in ((0.01, 3, 0.03, 5), (0.02, 3, 0.02, 3)):
+        delta = mde_welch(sa, na, sb, nb)
+        a = rng.normal(delta, sa, (50_000, na))
+        b = rng.normal(0.0, sb, (50_000, nb))
+        rejected = stats.ttest_ind(a, b, axis=1, equal_var=False).pvalue < 0.05
+        assert rejected.mean() == pytest.approx(0.8, abs=0.006), (sa, na, sb, nb)
+    pooled = TTestIndPower().solve_power(nobs1=30, ratio=1, alpha=0.05, power=0.8) * sd
+    assert mde_welch(sd, 30, sd, 30) == pytest.approx(pooled, rel=0.01)
+    assert mde_welch(0.02, 3, 0.02, 3) > TTestIndPower().solve_power(nobs1=3, ratio=1, alpha=0.05, power=0.8) * 0.02
+
+
+def test_not_significant_rows_carry_their_mde_and_small_n_is_flagged():
+    """A null effect: the verdict is 'not significant' with the MDE of the paired test at this n and spread;
+    n = 2 seeds is said on the row. N and FLOPs per token are shown against the baseline."""
+    base = {**analysis_default(), "model": "tiny", "data": "sotu", "tokens": 1000}
+    rng = np.random.default_rng(1)
+    rows = []
+    for seed in (0, 1):
+        shared = rng.normal(0, 0.01)
+        rows.append(dict(base, seed=seed, loss_val_final=3.0 + shared, params_active_non_embedding=1e6,
+                         flops_per_token=6e6, tokens_per_s_median=1000.0))
+        rows.append(dict(base, moe="dense", seed=seed, loss_val_final=3.0 + shared + rng.normal(0, 0.01),
+                         params_active_non_embedding=8e5, flops_per_token=5.1e6, tokens_per_s_median=1500.0))
+    tab = ablation_table(pd.DataFrame(rows)).set_index("option")
+    r = tab.loc["dense"]
+    d = (pd.DataFrame(rows).query("moe == 'dense'")["loss_val_final"].to_numpy()
+         - pd.DataFrame(rows).query("moe == 'latent_norm'")["loss_val_final"].to_numpy())
+    assert r["test"] == "paired t" and r["p_holm"] > 0.05
+    assert r["mde"] == pytest.approx(mde_paired(d.std(ddof=1), 2))
+    assert r["verdict"].startswith("not significant (MDE ") and "n=2 < 3 seeds" in r["warnings"]
+    assert (r["N_rel"], r["flops_rel"], r["tokens_per_s_rel"]) == pytest.approx((0.8, 0.85, 1.5))
+
+
+# --------------------------------------------------------------------------------------------------
+# One N and C; the compute multiplier and the headline
+# --------------------------------------------------------------------------------------------------
+
+def test_one_definition_of_n_and_c(tmp_path):
+    """N = active non-embedding parameters and C = the project's FLOPs by default; the allocation's kappa =
+    C / (N D) is then 6 for these runs (flops = 6 N D), and another named N gives its own kappa."""
+    write_scaling_ladder(tmp_path, multiplier=1.0)
+    runs = collect([tmp_path], curves=False).runs
+    df = runs_to_scaling(runs)
+    np.testing.assert_array_equal(df["N"], runs["params_active_non_embedding"].astype(float))
+    np.testing.assert_array_equal(df["C"], runs["flops"].astype(float))
+    assert flops_per_param_token(df["N"], df["D"], df["C"]) == pytest.approx((6.0, 6.0, 6.0))
+    other = runs_to_scaling(runs, n="active", c="6nd")
+    assert flops_per_param_token(other["N"], other["D"], other["C"])[0] == pytest.approx(6 / 1.1, rel=1e-3)
+    fit = fit_chinchilla(other["N"], other["D"], other["loss"], grid="coarse", kappa=6 / 1.1)
+    n_opt, d_opt = fit.optimal(1e18)
+    assert (6 / 1.1) * n_opt * d_opt == pytest.approx(1e18)
+
+
+def test_compute_multiplier_and_headline_recover_a_known_1_5x(tmp_path):
+    """A SwiGLU ladder that reaches the baseline's loss with 1/1.5 of the compute at 0.8x the tokens/s: the
+    multiplier and its interval recover 1.5, the headline's wall-clock multiplier is 1.5 x 0.8 = 1.2, and its
+    delta comes from the largest size."""
+    write_scaling_ladder(tmp_path, multiplier=1.5, seeds=(0, 1, 2), noise=0.001, throughput=0.8)
+    runs = collect([tmp_path], curves=False).runs
+    df = runs_to_scaling(runs.assign(variant=variant_labels(runs)))
+    mult = compute_multipliers(df, "baseline", n_boot=100, seed=0)
+    shared = mult[mult["kind"] == "shared"].iloc[0]
+    assert shared["variant"] == "glu=swiglu"
+    assert shared["multiplier"] == pytest.approx(1.5, rel=0.05) and shared["lo"] <= 1.5 <= shared["hi"]
+    h = headline(ablation_table(runs), mult).iloc[0]
+    assert (h["switch"], h["option"], h["N"], h["n"]) == ("glu", "swiglu", pytest.approx(3e7, rel=1e-6), 3)
+    assert h["multiplier"] == shared["multiplier"] and h["tokens_per_s_rel"] == pytest.approx(0.8)
+    assert h["wall_clock"] == pytest.approx(0.8 * shared["multiplier"]) and h["wall_clock"] == pytest.approx(1.2, rel=0.05)
+    assert h["wall_clock_lo"] <= 1.2 <= h["wall_clock_hi"] and h["delta"] < 0 and h["verdict"] == "better"
+    assert np.isnan(headline(ablation_table(runs)).iloc[0]["multiplier"])  # no ladder given: no multiplier
+
+
+# --------------------------------------------------------------------------------------------------
+# The report and its figures: nothing lost, nothing cryptic
+# --------------------------------------------------------------------------------------------------
+
+def test_report_on_a_missing_folder_writes_nothing_and_says_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "rep"
+    res = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path / "nowhere"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode != 0 and not out.exists()
+    assert len(res.stderr.strip().splitlines()) == 1 and "nowhere" in res.stderr and "does not exist" in res.stderr
+
+
+def test_a_folder_with_no_run_is_listed(tmp_path):
+    (tmp_path / "empty").mkdir()
+    write_ablation_sweep(tmp_path / "sweep", broken=False)
+    col = collect([tmp_path / "sweep", tmp_path / "empty"], curves=False)
+    row = col.skipped.set_index("run_id").loc[str(tmp_path / "empty")]
+    assert row["reason"].startswith("no run directory here")
+
+
+def test_tuned_report_has_the_tuning_table(tmp_path):
+    from analysis.report import main as report
+
+    write_lr_grid(tmp_path / "runs", "moe", OPTIMA)
+    text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--tune", "--formats", "png"]).read_text()
+    for needle in ("**Tuned comparison.**", "### Tuning", "optim.lr at the highest of 3 values", "## Headline",
+                   "moe=dense_matched optim.lr=0.012 optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2"):
+        assert needle in text, needle
+    assert pd.read_csv(tmp_path / "rep" / "tuning.csv")["chosen"].sum() == 2
+
+
+def test_delta_plot_explains_its_colours(sweep):
+    from analysis.plots import plot_ablation
+
+    root, _ = sweep
+    fig = plot_ablation(ablation_table(collect([root], curves=False).runs))
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any(t.startswith("worse") for t in texts) and any(t.startswith("better") for t in texts)
+    assert any("not significant" in t for t in texts) and "Holm" in fig.legends[0].get_title().get_text()
+
+
+def test_log_axis_panels_leave_out_step_0_and_show_short_runs(tmp_path):
+    """A run validated only at step 0 and at its end: the step panel has both points, the tokens and FLOPs
+    panels (log x) the last one alone, drawn with a marker so that it shows."""
+    from analysis.plots import plot_curves
+
+    write_run(tmp_path / "short", analysis_default(), 0, 2e6, 1e6, 0.0, np.random.default_rng(0), n_log=1)
+    col = collect([tmp_path / "short"])
+    fig = plot_curves(col.curves, col.runs.assign(v="baseline"), "v")
+    step, tokens, flops = (ax.lines[0] for ax in fig.axes)
+    assert list(step.get_xdata()) == [0, 200]
+    assert list(tokens.get_xdata()) == [1e6] and tokens.get_marker() == "o"
+    assert list(flops.get_xdata()) == [6 * 2e6 * 1e6] and fig.axes[1].get_xscale() == "log"

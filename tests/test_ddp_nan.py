@@ -50,3 +50,20 @@ def test_single_process_reduce_is_the_identity():
     check_finite(torch.tensor(1.0), 0, reduce=identity)
     with pytest.raises(NonFiniteLossError, match="at step 7"):
         check_finite(torch.tensor(float("inf")), 7, reduce=identity)
+
+
+def identity(t, reduce_op):
+    return t
+
+
+def test_a_window_of_steps_names_its_first_non_finite_step():
+    """losses [W] of the steps ending at `step`: the first non-finite one is named, whichever comes after it."""
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 7 \(not finite on 1 rank"):
+        check_finite(torch.tensor([2.5, float("nan"), float("inf"), 3.0]), 9, reduce=identity)
+    sums, norms = check_finite(torch.tensor([2.5, 3.0]), 9, reduce=identity, grad_norm=torch.tensor([0.5, 0.25]))
+    assert sums == [2.5, 3.0] and norms == [0.5, 0.25]
+
+
+def test_a_non_finite_gradient_norm_stops_with_a_finite_loss():
+    with pytest.raises(NonFiniteLossError, match="gradient norm is inf at step 5"):
+        check_finite(torch.tensor([2.5, 3.0]), 5, reduce=identity, grad_norm=torch.tensor([0.5, float("inf")]))

@@ -33,7 +33,7 @@ def composed(*overrides: str):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["train.max_steps=abc"], "train.max_steps='abc' is not an integer"),
+    (["train.max_steps=abc"], "train.max_steps='abc' must be a positive integer"),
     (["train.max_stepz=3"], "train.max_stepz is not a key; did you mean train.max_steps?"),
     (["trian.max_steps=3"], "trian.max_steps is not a key; did you mean train.max_steps?"),
     (["decay=sigmod"], "decay=sigmod is not an option; did you mean decay=sigmoid? valid options: sigmoid, softplus"),
@@ -42,8 +42,10 @@ def composed(*overrides: str):
     (["data=text"], "data=text needs data.path=<file or folder>"),
     (["resume={tmp}/nope"], "resume={tmp}/nope: no checkpoint at {tmp}/nope/checkpoints/last.ckpt"),
     (["train.ckpt_every=0"], "train.ckpt_every=0 must be >= 1"),
-    (["+train.foo=1"], "train.foo is not a key; the keys of train: ckpt_every, compile, log_every, max_steps, "
-                       "overfit_batches, val_batches, val_every"),
+    (["train.val_every=abc"], "train.val_every='abc' is not an integer"),
+    (["+train.foo=1"], "train.foo is not a key; the keys of train: ckpt_every, compile, compile_backend, "
+                       "default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
+                       "tokens_per_param, val_batches, val_every"),
 ])
 def test_a_user_error_is_one_line_exit_2_and_writes_nothing(tmp_path, args, line):
     out = tmp_path / "runs"
@@ -55,7 +57,7 @@ def test_a_user_error_is_one_line_exit_2_and_writes_nothing(tmp_path, args, line
 def test_hydra_full_error_shows_the_traceback():
     proc = cli("train.max_steps=abc", env={"HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 2
-    assert "Traceback" in proc.stderr and "ConfigError: train.max_steps='abc' is not an integer" in proc.stderr
+    assert "Traceback" in proc.stderr and "ConfigError: train.max_steps='abc' must be a positive integer" in proc.stderr
 
 
 def test_a_missing_logger_package_names_the_extra(tmp_path):
@@ -88,11 +90,12 @@ def test_a_multirun_reports_each_failed_run_and_goes_on(tmp_path):
     proc = cli("-m", "train.max_steps=abc,-3", "decay.name=sigmod,softplus", f"out_dir={out}", "group=g")
     assert proc.returncode == 2, proc
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: train.max_steps='abc' is not an integer"] * 2 + [
-        "error: train.max_steps=-3 must be >= 1"] * 2, proc.stderr
+    assert errors == ["error: train.max_steps='abc' must be a positive integer"] * 2 + [
+        "error: train.max_steps=-3 must be a positive integer"] * 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "0 completed, 0 skipped, 4 failed" in proc.stdout
-    assert [p.name for p in (out / "g").iterdir()] == ["multirun.yaml"]  # Hydra's record of the sweep, no run directory
+    assert sorted(p.name for p in (out / "g").iterdir()) == [".sweep", "multirun.yaml"]  # the sweep's records, no run
+
 
 
 # -- --help ------------------------------------------------------------------------------------------
@@ -119,7 +122,7 @@ def test_help_lists_the_commands_every_group_its_options_and_default():
 
 
 def test_every_config_group_is_a_switch_or_described():
-    folders = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()}
+    folders = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name != "hydra"}  # Hydra's own groups
     assert folders == set(SWITCHES) | set(GROUPS)
     assert set(group_defaults()) == folders
 
@@ -143,9 +146,10 @@ def test_building_the_token_cache_says_so_with_its_time(tmp_path, capsys):
 
 
 def test_tables_have_no_colour_codes_when_stdout_is_a_file(tmp_path, monkeypatch, capsys):
+    from k3lab.budget import RunLength
     from k3lab.progress import print_run_header
 
     monkeypatch.setenv("FORCE_COLOR", "1")
-    print_run_header(composed(), tmp_path, {"params_total": 10}, 1.0, 2.0, 3)
+    print_run_header(composed(), tmp_path, {"params_total": 10}, 1.0, 2.0, 3, RunLength(200, "default_steps"))
     out = capsys.readouterr().out
     assert "decay" in out and "\x1b" not in out

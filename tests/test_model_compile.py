@@ -73,3 +73,32 @@ def test_model_without_graph_breaks_compiles_to_one_graph(residual):
     assert counter.frame_count == 1
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_path_compiles_to_one_graph_with_the_chunked_cross_entropy():
+    """model.compile() (what train.compile does) on an all-MLA dense model: model(tokens, targets), the chunked
+    linear cross-entropy's autograd.Function included, traces under aot_eager with fullgraph=True as one frame
+    and gives eager's loss and every gradient; the parameter names are unchanged."""
+    torch._dynamo.reset()
+    model = build("block_attnres", mixer=MixerConfig(name="mla"), moe=MoEConfig(name="dense"))
+    model.cfg.kernels.ce_chunk = 11  # 48 tokens: 5 chunks, the last one short
+    names = [n for n, _ in model.named_parameters()]
+    gen = torch.Generator().manual_seed(2)
+    tokens, targets = torch.randint(0, VOCAB, (2, 24), generator=gen), torch.randint(0, VOCAB, (2, 24), generator=gen)
+    targets[0, :5] = -100
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, targets)
+        out.mean.backward()
+        return [out.sum.detach(), out.correct, out.count] + [p.grad for p in model.parameters()]
+
+    eager = loss_and_grads()
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True)
+    compiled = loss_and_grads()
+    loss_and_grads()
+    assert counter.frame_count == 1
+    assert [n for n, _ in model.named_parameters()] == names
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

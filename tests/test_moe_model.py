@@ -1,10 +1,12 @@
-"""The moe and balance switches inside the K3 stack: each changes only the FFN sublayers it names."""
+"""The moe and balance switches inside the K3 stack: each changes only the FFN sublayers it names, and
+moe=dense_matched matches latent_norm's active parameters."""
 import pytest
 import torch
 
-from k3lab.config import BalanceConfig, MixerConfig, ModelConfig, MoEConfig
+from k3lab.config import BalanceConfig, GLUConfig, MixerConfig, ModelConfig, MoEConfig
+from k3lab.flops import flops_per_token
 from k3lab.model.k3 import K3Model
-from k3lab.model.moe import MoE
+from k3lab.model.moe import MoE, latent_norm_active_params, matched_dense_hidden
 
 
 def tiny(moe="dense", balance="qb", seed=0, **moe_kw) -> K3Model:
@@ -66,3 +68,33 @@ def test_init_router_std_and_scaled_expert_output():
     assert abs(float(moe.experts.w1.std()) - std) < 0.1 * std
     assert abs(float(moe.experts.w3.std()) - out) < 0.1 * out
     assert abs(float(moe.up.weight.std()) - out) < 0.15 * out
+
+
+@pytest.mark.parametrize("kw", [{}, {"scale_with_latent": False}, {"n_shared": 0}, {"n_shared": 2, "expert_hidden": 40},
+                                {"n_experts": 16, "top_k": 4, "latent_ratio": 2}])
+def test_latent_norm_active_params_counts_what_the_moe_layer_holds(kw):
+    """The closed form that dense_matched is sized by equals MoE.n_params_active of the layer it describes."""
+    cfg = MoEConfig(name="latent_norm", **kw)
+    assert latent_norm_active_params(64, cfg, 176) == MoE(64, cfg, GLUConfig(), BalanceConfig(),
+                                                          ffn_hidden=176).n_params_active()
+
+
+def test_dense_matched_is_a_dense_ffn_with_latent_norms_active_parameters():
+    """moe=dense_matched: a GLU in the FFN sublayers after first_dense, as wide as gives the active parameters of
+    latent_norm's MoE layer (to within the rounding of the width to 8: 12 d per layer), so the two models have
+    the same active parameters and FLOPs per token; every other tensor is the plain dense model's."""
+    matched, latent, dense = tiny("dense_matched", first_dense=1), tiny("latent_norm", first_dense=1), tiny("dense")
+    assert not matched.moe_layers()
+    d, n_ffn = matched.cfg.width, matched.cfg.n_layers - 1
+    hidden = matched_dense_hidden(d, matched.cfg.moe, matched.cfg.ffn_hidden)
+    assert hidden % 8 == 0 and hidden > matched.cfg.ffn_hidden
+    assert [matched.sublayers[2 * layer + 1].fn.w1.out_features for layer in range(4)] == \
+        [matched.cfg.ffn_hidden] + [hidden] * n_ffn
+    a, b = matched.param_counts()["params_active"], latent.param_counts()["params_active"]
+    assert abs(a - b) <= 12 * d * n_ffn and a != dense.param_counts()["params_active"]
+    assert flops_per_token(matched, 32) == pytest.approx(flops_per_token(latent, 32), rel=5e-3)
+    ffn = tuple(f"sublayers.{2 * layer + 1}.fn." for layer in range(1, 4))
+    assert {k: v for k, v in shapes(matched).items() if not k.startswith(ffn)} == \
+        {k: v for k, v in shapes(dense).items() if not k.startswith(ffn)}
+    with pytest.raises(ValueError, match="dense_matched"):
+        MoE(64, MoEConfig(name="dense_matched"), GLUConfig(), BalanceConfig())

@@ -2,6 +2,9 @@
 
     tokens [B, T] -> embed -> L x (mixer sublayer, FFN sublayer) -> RMSNorm -> lm_head -> logits [B, T, V]
 
+With targets, `forward(tokens, targets)` returns the cross-entropy instead of the logits, through
+k3lab.model.loss.linear_cross_entropy: the head's logits are formed chunk by chunk and never held whole.
+
 Every sublayer is PreNorm (`f(RMSNorm(x))`); how its input is formed and its output joins the stream is
 the `residual` switch (k3lab.model.residual). Embeddings are untied by default: K3 unties them, and
 tying would put the LM head (AdamW) and the embedding under one update rule, which confounds the
@@ -24,8 +27,9 @@ from torch import nn
 from k3lab.config import ModelConfig
 from k3lab.model.ffn import GLU
 from k3lab.model.kda import KDA
+from k3lab.model.loss import IGNORE_INDEX, TokenLoss, linear_cross_entropy
 from k3lab.model.mla import GatedMLA
-from k3lab.model.moe import MoE
+from k3lab.model.moe import MoE, matched_dense_hidden
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import build_residual
 from k3lab.model.tags import tags_by_param
@@ -44,8 +48,13 @@ class PreNorm(nn.Module):
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The FFN of one layer: the dense GLU of width ffn_hidden (moe=dense, and the first moe.first_dense
+    layers of the other options), a dense GLU with the active parameters of a latent_norm MoE layer
+    (moe=dense_matched: width matched_dense_hidden), or the MoE."""
     if cfg.moe.name == "dense" or layer < cfg.moe.first_dense:
         return GLU(cfg.width, cfg.ffn_hidden, cfg.glu)
+    if cfg.moe.name == "dense_matched":
+        return GLU(cfg.width, matched_dense_hidden(cfg.width, cfg.moe, cfg.ffn_hidden), cfg.glu)
     return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden)
 
 
@@ -95,7 +104,7 @@ class K3Model(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the router auxiliary losses of the last forward (0 unless balance=aux)."""
-        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros(()))
+        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=self.embed.weight.device))
 
     @torch.no_grad()
     def update_router_biases(self) -> None:
@@ -115,8 +124,11 @@ class K3Model(nn.Module):
             "params_active_non_embedding": total - inactive - embedding,
         }
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32).
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | TokenLoss:
+        """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32); with targets [B, T] (int64, -100 = no loss)
+        -> TokenLoss (k3lab.model.loss): the summed cross-entropy over the targets != -100 (0-dim fp32), how
+        many of them the argmax predicts and how many there are, the logits formed a chunk of tokens at a
+        time (kernels.ce_chunk) and never whole.
 
         Under torch.compile, traced whole, the sublayer loop unrolls into the graph with the residual's
         bookkeeping. A graph break inside a sublayer (data-dependent MoE routing, the torch KDA path) makes
@@ -130,7 +142,11 @@ class K3Model(nn.Module):
         state = call(res.begin, self.embed(tokens))
         for i, sublayer in enumerate(self.sublayers):
             state = call(res.write, state, i, sublayer(call(res.read, state, i)))
-        return self.lm_head(self.norm(call(res.end, state))).float()
+        h = self.norm(call(res.end, state))                                   # [B, T, D]
+        if targets is None:
+            return self.lm_head(h).float()
+        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), IGNORE_INDEX,
+                                    self.cfg.kernels.ce_chunk)
 
 
 def _call(fn, *args):

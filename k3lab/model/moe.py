@@ -3,6 +3,9 @@
     latent_norm:  y = shared(x) + W_up RMSNorm( sum_{i in E(x)} p_i E_i(W_down x) )
     latent:       y = shared(x) + W_up          sum_{i in E(x)} p_i E_i(W_down x)
     standard:     y = shared(x) +               sum_{i in E(x)} p_i E_i(x)
+    dense_matched (no MoE): one GLU whose hidden width gives the active parameters of latent_norm with the
+                  same moe settings (matched_dense_hidden), so that MoE and dense compare at equal active
+                  parameters and FLOPs per token; `dense` is the plain GLU FFN of width model.ffn_hidden.
 
 x [B, T, D]. The router (k3lab.model.router) scores the full-width x. Routed experts are GLUs (the
 `glu` switch) of width w = D / alpha (latent) or D (standard) and hidden width h; the shared experts
@@ -36,6 +39,26 @@ def default_expert_hidden(d_model: int, top_k: int, ffn_hidden: int | None = Non
     if not ffn_hidden:
         ffn_hidden = int(round(ModelConfig.ffn_mult * d_model / 32)) * 32
     return max(8, int(round(ffn_hidden / top_k / 8)) * 8)
+
+
+def latent_norm_active_params(d_model: int, moe: MoEConfig, ffn_hidden: int | None = None) -> int:
+    """Active parameters of one latent_norm MoE layer with moe's sizes, as MoE.n_params_active counts them:
+        router d*E + routed experts k*3*w*h + shared experts 3*d*(n_shared*h) + W_down and W_up 2*d*w + norm w,
+    with s = latent_ratio if scale_with_latent else 1, E = n_experts*s, k = top_k*s, w = d / latent_ratio,
+    h = expert_hidden or default_expert_hidden(d, top_k, ffn_hidden). Tiny model (d 128, 8 experts top-2,
+    ratio 4): 4,096 + 135,168 + 67,584 + 8,192 + 32 = 215,072."""
+    scale = moe.latent_ratio if moe.scale_with_latent else 1
+    n_experts, top_k, width = moe.n_experts * scale, moe.top_k * scale, d_model // moe.latent_ratio
+    hidden = moe.expert_hidden or default_expert_hidden(d_model, moe.top_k, ffn_hidden)
+    return (d_model * n_experts + top_k * 3 * width * hidden + 3 * d_model * hidden * moe.n_shared
+            + 2 * d_model * width + width)
+
+
+def matched_dense_hidden(d_model: int, moe: MoEConfig, ffn_hidden: int | None = None) -> int:
+    """Hidden width h of the dense GLU (3*d*h weights) with the active parameters of a latent_norm MoE layer:
+    h = latent_norm_active_params / (3 d), rounded to a multiple of 8 (so within 12*d parameters of it).
+    Tiny model: 215,072 / 384 = 560.1 -> 560, against the plain dense FFN's 352."""
+    return max(8, int(round(latent_norm_active_params(d_model, moe, ffn_hidden) / (3 * d_model) / 8)) * 8)
 
 
 def grouped_mm_usable(x: torch.Tensor, *dims: int) -> bool:
@@ -129,8 +152,8 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, moe: MoEConfig, glu: GLUConfig, balance: BalanceConfig,
                  eps: float = 1e-6, ffn_hidden: int | None = None):
         super().__init__()
-        if moe.name == "dense":
-            raise ValueError("moe=dense is the model's plain GLU FFN; build GLU, not MoE")
+        if moe.name in ("dense", "dense_matched"):
+            raise ValueError(f"moe={moe.name} is a dense GLU FFN (k3lab.model.k3.build_ffn); build GLU, not MoE")
         check_option("moe", moe.name)
         self.kind = moe.name
         self.latent = moe.name in ("latent", "latent_norm")

@@ -4,7 +4,7 @@ One optimizer (`Muon`, whose AdamW groups cover the non-matrix tensors) and one 
 per run, so the LightningModule keeps automatic optimisation:
 
     def configure_optimizers(self):
-        return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.cfg.trainer.max_steps)
+        return lightning_optimizers(self.model, self.cfg.optim, total_steps=self.max_steps)
 
 Options (`optim.name`):
 - muon_per_head: Muon on hidden matrices, Newton-Schulz per head on weights tagged `head_blocks`
@@ -82,13 +82,25 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     common_adam = dict(use_muon=False, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps)
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr, weight_decay=cfg.weight_decay,
-             momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+             momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
              per_head=cfg.name == "muon_per_head",
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
         dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
         dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
     ]
     return [g for g in groups if g["params"]]
+
+
+def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The run's warm-up in steps: `warmup_frac` of total_steps rounded to the nearest step (at least 1)
+    when it is set, else `warmup_steps`. A budget-sized run (k3lab.budget) thus warms up over the same
+    share of its length at every size."""
+    if cfg.warmup_frac is None:
+        return cfg.warmup_steps
+    if not 0 <= cfg.warmup_frac < 1:
+        raise ValueError(f"optim.warmup_frac={cfg.warmup_frac} must be in [0, 1)")
+    steps = round(cfg.warmup_frac * total_steps)
+    return max(steps, 1) if cfg.warmup_frac > 0 else 0
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -112,7 +124,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
                     ) -> tuple[Muon, torch.optim.lr_scheduler.LambdaLR]:
     """The run's optimizer and its per-step scheduler (call `scheduler.step()` after each `opt.step()`)."""
     opt = Muon(param_groups(model, cfg))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps(cfg, total_steps), total_steps,
+                                                             cfg.min_lr_ratio))
     return opt, sched
 
 

@@ -1,0 +1,313 @@
+"""The training step of any config, timed in a bare loop and through run.py's trainer, optionally beside fla.
+
+    python -m benchmarks.step trainer=gpu model=small data.seq_len=4096 data.batch_size=8
+    python -m benchmarks.step trainer=gpu model=small --fla
+    python -m benchmarks.step trainer=gpu model=small --variants "train.compile=false,train.compile=true"
+
+The positional arguments are run.py's Hydra overrides (the shape and everything else). `--variants` runs
+several override sets in this one process, each on top of the positional ones, one table row per variant
+and path: sets are separated by commas outside brackets and quotes, the overrides of a set by spaces (an
+empty set, or none given, is the positional overrides alone). For each variant:
+
+- bare: the model and optimizer from the project's builders (K3Model from model_config, build_optimizer),
+  the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
+  clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
+  torch.autocast(bf16) when trainer.precision is bf16-mixed; model.compile() when train.compile says so
+  (k3lab.train.compile_mode); the configured data's training batches of the first steps, put on the
+  device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
+  CPU); peak memory: torch.cuda.max_memory_allocated over the row.
+- trainer: k3lab.train.train, what run.py runs, for warmup + steps steps into a temporary run directory,
+  logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
+  checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
+  speed/tokens_per_s; peak memory from summary.json.
+- with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at the shape of the
+  first variant (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
+  where the model has MLA, through its `attn` config, which needs flash-attn: add mixer=kda for an all-KDA
+  comparison without it; safe_gate with the sigmoid decay's g_min), fused linear cross-entropy, bf16
+  weights, torch's fused AdamW, timed like the bare loop on the same batches; each row then shows ours/fla
+  tokens/s.
+
+One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
+parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
+unknown, e.g. the CPU) and peak memory in GiB (on the CPU the process's peak resident memory, which only
+grows from row to row). Only the trainer path writes files, into a temporary directory it removes; the
+table goes to --out PATH when given. Runs on the CPU too (tiny shapes, no --fla).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from k3lab.config import DataConfig, ModelConfig, OptimConfig, model_config, typed
+from k3lab.data import K3DataModule
+from k3lab.flops import flops_per_token, mixing_flops_per_token
+from k3lab.lit import PEAK_FLOPS
+from k3lab.model import K3Model
+from k3lab.optim import build_optimizer
+from k3lab.rundir import read_metrics
+from k3lab.train import compile_mode, peak_memory_mb, quiet_lightning, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Row:
+    variant: str
+    path: str           # bare | trainer | fla
+    tokens_per_s: float
+    ms_per_step: float
+    flops_per_token: float
+    peak_mb: float
+
+
+def split_variants(text: str) -> list[str]:
+    """'a=1 b=[2,3],c=4' -> ['a=1 b=[2,3]', 'c=4']: commas inside brackets or quotes do not split."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return out + [cur.strip()]
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def device_of(cfg: DictConfig) -> torch.device:
+    """The one device a bare loop runs on: trainer.accelerator gpu/cuda -> cuda, cpu -> cpu."""
+    tc = cfg.trainer
+    if tc.devices not in (1, "1") or tc.num_nodes != 1:
+        raise ValueError(f"benchmarks.step times one device: trainer.devices={tc.devices}, "
+                         f"trainer.num_nodes={tc.num_nodes} (use trainer=gpu or trainer=cpu)")
+    if tc.accelerator in ("gpu", "cuda"):
+        return torch.device("cuda")
+    if tc.accelerator == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"trainer.accelerator={tc.accelerator!r}: benchmarks.step runs on gpu or cpu")
+
+
+def autocast_of(cfg: DictConfig, device: torch.device):
+    """The bare loop's precision, as Lightning's plugin would set it: bf16-mixed -> bf16 autocast."""
+    precision = str(cfg.trainer.precision)
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision in ("32-true", "32"):
+        return contextlib.nullcontext()
+    raise ValueError(f"trainer.precision={precision!r}: the bare loop runs 32-true or bf16-mixed")
+
+
+def reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def timed(step, warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds per step of `step()` over `steps` calls after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def training_batches(cfg: DictConfig, n: int, device: torch.device) -> tuple[K3DataModule, list]:
+    """The data module and the training batches (x, y) [B, T] of steps 0..n-1, on the device."""
+    dm = K3DataModule(typed(DataConfig, cfg.data), seed=cfg.seed)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm, [tuple(t.to(device) for t in dm.train_batch(s)) for s in range(n)]
+
+
+def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int) -> Row:
+    device = device_of(cfg)
+    reset_peak(device)
+    torch.manual_seed(cfg.seed)
+    dm, batches = training_batches(cfg, warmup + steps, device)
+    model = K3Model(model_config(cfg, dm.vocab_size)).to(device)
+    fpt = flops_per_token(model, cfg.data.seq_len)
+    if compile_mode(cfg):
+        model.compile(backend=cfg.train.compile_backend)
+    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+    opt, sched = build_optimizer(model, optim_cfg, total_steps=warmup + steps)
+    clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
+    autocast = autocast_of(cfg, device)
+    it = iter(batches)
+
+    def step():
+        x, y = next(it)
+        with autocast:
+            loss = model(x, y).mean + model.aux_loss()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        model.update_router_biases()
+
+    seconds = timed(step, warmup, steps, device)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    return Row(variant, "bare", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
+
+
+def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int) -> Row:
+    window = math.gcd(warmup, steps)
+    run = [f"train.max_steps={warmup + steps}", f"train.log_every={window}", f"train.val_every={warmup + steps}",
+           "train.val_batches=1", "train.ckpt_every=0", f"out_dir={tmp}", "group=step", f"run_name=v{index}",
+           "overwrite=true"]
+    cfg = compose_config([*overrides, *run])
+    device = device_of(cfg)
+    reset_peak(device)
+    summary = train(cfg, overrides=[*overrides, *run])
+    tokens_per_window = window * summary["tokens_per_step"]
+    rows = [r for r in read_metrics(tmp / "step" / f"v{index}") if r.get("speed/tokens_per_s") and r["step"] > warmup]
+    seconds = sum(tokens_per_window / r["speed/tokens_per_s"] for r in rows)
+    tokens_per_s = len(rows) * tokens_per_window / seconds
+    return Row(variant, "trainer", tokens_per_s, 1e3 * summary["tokens_per_step"] / tokens_per_s,
+               summary["flops_per_token"], summary["peak_memory_mb"])
+
+
+def fla_row(cfg: DictConfig, warmup: int, steps: int) -> Row:
+    """fla's KDAForCausalLM at this config's shape (see the module docstring), on the same batches."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    device = device_of(cfg)
+    reset_peak(device)
+    torch.manual_seed(cfg.seed)
+    dm, batches = training_batches(cfg, warmup + steps, device)
+    mc: ModelConfig = model_config(cfg, dm.vocab_size)
+    attn_layers = [i for i, kind in enumerate(mc.layer_kinds()) if kind == "mla"]
+    sigmoid = mc.decay.name == "sigmoid"
+    config = KDAConfig(hidden_size=mc.width, num_hidden_layers=mc.n_layers, num_heads=mc.n_heads,
+                       head_dim=mc.head_dim, vocab_size=mc.vocab_size, intermediate_size=mc.ffn_hidden,
+                       conv_size=mc.conv_size, norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings,
+                       safe_gate=sigmoid, lower_bound=mc.decay.g_min if sigmoid else None,
+                       attn={"layers": attn_layers, "num_heads": mc.n_heads} if attn_layers else None,
+                       fuse_cross_entropy=True)
+    try:
+        model = KDAForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    except ImportError as err:
+        raise ImportError(f"fla's softmax-attention layers (at the MLA positions {attn_layers}) need flash-attn: "
+                          f"{err}. Add mixer=kda to compare all-KDA models without it.") from err
+    embed = model.get_input_embeddings().weight
+    matmul = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and p is not embed)
+    fpt = 6.0 * matmul + mixing_flops_per_token(mc, cfg.data.seq_len)
+    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+    opt = torch.optim.AdamW(model.parameters(), lr=optim_cfg.adam_lr, betas=tuple(optim_cfg.betas),
+                            eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, fused=True)
+    clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
+    model.train()
+    it = iter(batches)
+
+    def step():
+        x, _ = next(it)
+        loss = model(input_ids=x, labels=x).loss  # fla shifts the labels: next-token loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = timed(step, warmup, steps, device)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    return Row("fla KDAForCausalLM", "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
+
+
+def peak_mb(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
+
+
+def table(rows: list[Row], header: list[str]) -> str:
+    peak = next((v for k, v in PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()),
+                None)
+    fla = next((r for r in rows if r.path == "fla"), None)
+    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB |"
+             + (" ours / fla tokens/s |" if fla else ""), "|---|---|---|---|---|---|" + ("---|" if fla else "")]
+    for r in rows:
+        mfu = f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-"
+        ratio = (f" {r.tokens_per_s / fla.tokens_per_s:.2f} |" if r is not fla else " 1.00 |") if fla else ""
+        lines.append(f"| {r.variant or '(overrides only)'} | {r.path} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | "
+                     f"{mfu} | {r.peak_mb / 1024:.2f} |{ratio}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n")[0])
+    p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation happens here)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--variants", default="", help="override sets, comma-separated, each space-separated")
+    p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
+    p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at the first variant's shape")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
+    p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    paths = args.paths.split(",")
+    if not paths or set(paths) - {"bare", "trainer"}:
+        p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
+    quiet_lightning()
+    variants = split_variants(args.variants)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="k3lab-step-") as tmp:
+        for i, variant in enumerate(variants):
+            overrides = [*args.overrides, *shlex.split(variant)]
+            for path in paths:
+                torch._dynamo.reset()
+                if path == "bare":
+                    rows.append(bare_row(variant, compose_config(overrides), args.warmup, args.steps))
+                else:
+                    rows.append(trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i))
+                print(f"  {variant or '(overrides only)'} / {path}: {rows[-1].tokens_per_s:,.0f} tokens/s", flush=True)
+    if args.fla:
+        rows.append(fla_row(compose_config([*args.overrides, *shlex.split(variants[0])]), args.warmup, args.steps))
+    cfg = compose_config([*args.overrides, *shlex.split(variants[0])])
+    device = torch.cuda.get_device_name() if device_of(cfg).type == "cuda" else "CPU"
+    header = [f"Training step, {device}, torch {torch.__version__}: {cfg.data.batch_size} x {cfg.data.seq_len} tokens, "
+              f"{args.warmup} warm-up + {args.steps} timed steps.",
+              "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
+    text = table(rows, header)
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
