@@ -13,8 +13,9 @@ Units (one all-gather and one reduce-scatter each), bottom-up:
 
     per sublayer   the matmul modules (nn.Linear, GroupedExperts)       bf16 params on GPU, fp32 reduction
                    the rest of the sublayer (norms, router, KDA A_log/dt_bias, short convs)     fp32
-    root           lm_head                                              as the matmul modules
-                   embedding, AttnRes queries and norms, final norm     fp32
+    root           embedding, AttnRes queries and norms, final norm,   fp32
+                   lm_head (the loss reads its weight directly, k3lab/model/loss.py, so it must be
+                   unsharded whenever the root's forward runs)
 
 Precision. trainer.precision=bf16-mixed keeps Lightning's bf16 autocast, so every op runs in the dtype it
 runs in under trainer=gpu, and adds FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on
@@ -75,8 +76,6 @@ def shard_model(model: K3Model, mesh: DeviceMesh, bf16: bool) -> None:
     for sublayer in model.sublayers:
         fully_shard(matmul_modules(sublayer), mesh=mesh, mp_policy=matmul)
         fully_shard(sublayer, mesh=mesh, mp_policy=fp32)
-    if model.lm_head.weight is not model.embed.weight:  # a tied head stays in the embedding's unit
-        fully_shard(model.lm_head, mesh=mesh, mp_policy=matmul)
     fully_shard(model, mesh=mesh, mp_policy=fp32)
 
 
