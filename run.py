@@ -7,25 +7,34 @@
     python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
                                                     # completed runs and resumes killed or failed ones
     python run.py trainer=fsdp                      # FSDP2 over every GPU of the node (trainer=ddp: DDP)
+    python run.py --help                            # every group, its options and its default
 
-Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md).
+Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md). A bad key, option or value
+prints one line `error: ...` and exits with status 2 (k3lab/errors.py; HYDRA_FULL_ERROR=1 for the traceback).
 """
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from k3lab.config import check_config
+from k3lab.errors import run_command, task_errors
+from k3lab.help import register as register_help_page
+
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from k3lab.parallel import one_job_argv  # imported here so `--help` and config errors come back fast
-    from k3lab.train import train
-
     job = HydraConfig.get()
-    with one_job_argv(list(job.overrides.task), multirun=job.mode == RunMode.MULTIRUN):  # DDP/FSDP workers
-        summary = train(cfg, overrides=job.overrides.task)
+    with task_errors(single_run=job.mode == RunMode.RUN):
+        check_config(cfg)  # before torch and Lightning are imported: a bad setting fails in a second
+        from k3lab.parallel import one_job_argv
+        from k3lab.train import train
+
+        with one_job_argv(list(job.overrides.task), multirun=job.mode == RunMode.MULTIRUN):  # DDP/FSDP workers
+            summary = train(cfg, overrides=job.overrides.task)
     return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
 
 
 if __name__ == "__main__":
-    main()
+    register_help_page()
+    run_command(main)

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig
 
+from k3lab.errors import ConfigError
+
 LENGTH_KEYS = ("max_steps", "tokens_per_param", "flop_budget")
 
 
@@ -31,12 +33,12 @@ class RunLength(NamedTuple):
 
 
 def length_key(train: DictConfig) -> str:
-    """Which key decides the run length; raises one ValueError naming the keys when more than one is set
+    """Which key decides the run length; raises one ConfigError naming the keys when more than one is set
     or a value is not positive."""
     given = [k for k in LENGTH_KEYS if train.get(k) is not None]
     if len(given) > 1:
         values = " ".join(f"train.{k}={train[k]}" for k in given)
-        raise ValueError(f"{values}: the run length is set by at most one of train.max_steps, "
+        raise ConfigError(f"{values}: the run length is set by at most one of train.max_steps, "
                          f"train.tokens_per_param and train.flop_budget (a preset such as debug=fast_dev_run "
                          f"sets train.max_steps); drop all but one")
     key = given[0] if given else "default_steps"
@@ -45,7 +47,7 @@ def length_key(train: DictConfig) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)) \
             or value <= 0:
         kind = "a positive integer" if integer else "a positive number"
-        raise ValueError(f"train.{key}={value!r} must be {kind}")
+        raise ConfigError(f"train.{key}={value!r} must be {kind}")
     return key
 
 

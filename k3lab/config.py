@@ -1,28 +1,46 @@
 """Typed schemas for every config group.
 
-Hydra composes `conf/`; `run.py` merges the result onto these dataclasses, so a misspelt key or a
-wrong type fails at start-up with the key's name. The model is built from `ModelConfig` alone, so
-tests and notebooks can build one without Hydra.
+Hydra composes `conf/`; `k3lab.train.check_config` merges each group onto its dataclass here before a
+run directory is created, so a misspelt key, a wrong type or a value out of range fails at start-up
+with one line that names the key (`k3lab.errors.ConfigError`). The model is built from `ModelConfig`
+alone, so tests and notebooks can build one without Hydra.
 
 Each switch group (k3lab/switches.py lists them) has a `name` field: the option the user typed, which
 is also what the results table shows. A schema's default `name` is the switch's K3 default.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
+from k3lab.errors import ConfigError, not_a_key, not_an_option, reading_data
 from k3lab.switches import K3_DEFAULT, check_option
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
+DATASETS = ("sotu", "text", "mqar", "tokens")
+TOKENIZERS = ("bpe", "byte")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
     """Raise one clear line when `value` of config key `key` is not one of `valid`."""
     if value not in valid:
-        raise ValueError(f"{key}={value!r} is not an option; valid options: {', '.join(valid)}")
+        raise ConfigError(not_an_option(key, value, valid))
+
+
+def check_at_least(group: str, obj: object, minimum: int, *keys: str) -> None:
+    """Raise one clear line when a field of `obj` (the typed config of `group`) is below `minimum`."""
+    for key in keys:
+        value = getattr(obj, key)
+        if value < minimum:
+            raise ConfigError(f"{group}.{key}={value} must be >= {minimum}")
 
 
 @dataclass
@@ -149,10 +167,11 @@ class ModelConfig:
         for switch in ("decay", "glu", "balance", "residual", "moe", "mixer"):
             check_option(switch, getattr(self, switch).name)
         check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
+        check_at_least("model", self, 1, "n_layers", "head_dim")
         if self.kernels.ce_chunk < 0:
-            raise ValueError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
+            raise ConfigError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
         if self.width % self.head_dim:
-            raise ValueError(f"model width {self.width} is not a multiple of head_dim {self.head_dim}")
+            raise ConfigError(f"model width {self.width} is not a multiple of model.head_dim={self.head_dim}")
         return self
 
 
@@ -198,6 +217,109 @@ class DataConfig:
     # validation (sotu / text / tokens): at most this many target tokens, in non-overlapping windows
     val_tokens: int = 65_536
 
+    def check(self) -> "DataConfig":
+        """The settings, and that data.path exists where the corpus needs one (its files are read later)."""
+        check_choice("data.name", self.name, DATASETS)
+        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check_at_least("data", self, 1, "seq_len", "batch_size")
+        if self.name in ("sotu", "text") and self.tokenizer == "bpe" and self.vocab_size <= 257:
+            raise ConfigError(f"data.vocab_size={self.vocab_size} is too small for byte-level BPE (needs > 257); "
+                              "use data.tokenizer=byte for plain bytes")
+        if self.name in ("text", "tokens"):
+            if not self.path:
+                raise ConfigError(f"data={self.name} needs data.path=<{'file or folder' if self.name == 'text' else 'folder'}>")
+            if not Path(self.path).expanduser().exists():
+                raise ConfigError(f"data.path {self.path!r} does not exist")
+        return self
+
+
+@dataclass
+class RunConfig:
+    """The top-level keys of conf/config.yaml: which run this is and where its directory goes."""
+    seed: int = 0
+    out_dir: str = "runs"
+    group: str = "default"
+    run_name: Optional[str] = None   # null: built from the command-line overrides
+    resume: Optional[str] = None     # a run directory, or `last`
+    overwrite: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """How long a run trains (k3lab/budget.py: at most one of max_steps, tokens_per_param and flop_budget;
+    none: default_steps) and how often it validates, logs and checkpoints, in optimizer steps."""
+    max_steps: Optional[int] = None
+    tokens_per_param: Optional[float] = None
+    flop_budget: Optional[float] = None
+    default_steps: int = 200
+    val_every: int = 50          # validate every N steps (and at step 0 and the end)
+    val_batches: int = 0         # 0: the whole validation set
+    log_every: int = 10
+    ckpt_every: int = 50
+    compile: Optional[bool] = None   # null: on for GPUs, off for the CPU
+    compile_backend: str = "inductor"
+    overfit_batches: int = 0     # >0: train (and validate) on that many fixed batches (debug=overfit)
+    preempt_signal: Optional[str] = "USR2"  # save at the next logging step and stop (k3lab/preempt.py)
+
+    def check(self) -> "TrainConfig":
+        check_at_least("train", self, 1, "val_every", "log_every", "ckpt_every")
+        check_at_least("train", self, 0, "val_batches", "overfit_batches")
+        return self
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning's Trainer: where a run trains and in which precision (conf/trainer/)."""
+    accelerator: str = "cpu"     # cpu | gpu | auto
+    devices: int = 1             # -1: every visible GPU
+    strategy: str = "auto"       # auto | ddp | any Lightning strategy name
+    precision: str = "32-true"   # 32-true | bf16-mixed | 16-mixed | ...
+    num_nodes: int = 1
+    deterministic: Any = None    # null: on for the CPU, off on GPUs | true | false | warn
+
+    def check(self) -> "TrainerConfig":
+        if self.deterministic not in (None, True, False, "warn"):
+            raise ConfigError(f"trainer.deterministic={self.deterministic!r} is not an option; "
+                              "valid options: null, true, false, warn")
+        check_at_least("trainer", self, 1, "num_nodes")
+        if self.devices == 0 or self.devices < -1:
+            raise ConfigError(f"trainer.devices={self.devices} must be >= 1, or -1 for every visible GPU")
+        if self.accelerator in ("gpu", "cuda") and not _cuda_available():
+            raise ConfigError(f"trainer.accelerator={self.accelerator} but torch sees no CUDA device; use trainer=cpu "
+                              "(or install the torch build that matches the machine's CUDA)")
+        return self
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases, a mirror of metrics.jsonl (logger=wandb; pip install -e ".[wandb]")."""
+    project: str = "k3lab"
+    mode: str = "offline"        # offline (files in <run_dir>/wandb, `wandb sync` uploads them) | online | disabled
+
+
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard, a mirror of metrics.jsonl (logger=tensorboard; pip install -e ".[tensorboard]")."""
+    dir: str = "tensorboard"     # event files go to <run_dir>/<dir>
+
+
+@dataclass
+class LoggerConfig:
+    """The mirrors of metrics.jsonl (always written, the source): none, wandb, tensorboard, or both."""
+    wandb: Optional[WandbConfig] = None
+    tensorboard: Optional[TensorBoardConfig] = None
+
+    def check(self) -> "LoggerConfig":
+        if self.wandb is not None:
+            check_choice("logger.wandb.mode", self.wandb.mode, WANDB_MODES)
+        return self
+
 
 # --- composed Hydra config -> typed schemas ------------------------------------------------------
 # The schema of each switch's config group (tests/test_registry.py: the keys are k3lab.switches.SWITCHES).
@@ -205,18 +327,81 @@ SWITCH_SCHEMAS = {"decay": DecayConfig, "glu": GLUConfig, "balance": BalanceConf
                   "residual": ResidualConfig, "moe": MoEConfig, "mixer": MixerConfig}
 
 
+def _kind(hint: Any) -> str:
+    """What a value of type `hint` is, in words: 'an integer', 'a number or null', ..."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return f"{_kind(args[0])} or null"
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return words.get(hint, f"a {getattr(hint, '__name__', hint)}")
+
+
 def typed(schema, node) -> object:
-    """OmegaConf node -> dataclass instance; an unknown key or a wrong type raises, naming the key."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    """OmegaConf node -> dataclass instance. An unknown key, a missing value or a wrong type raises
+    ConfigError naming the key as the command line spells it (`train.max_steps='abc' is not an integer`)."""
+    where = node._get_full_key(None) if isinstance(node, DictConfig) else ""
+    def full(key) -> str:
+        return f"{where}.{key}" if where else str(key)
+
+    if not isinstance(node, (DictConfig, dict)) and not dataclasses.is_dataclass(node):
+        raise ConfigError(f"{getattr(schema, '__name__', schema)} needs a group of key: value settings, not {node!r}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except ConfigKeyError as err:
+        raise ConfigError(not_a_key(full(err.full_key), [full(f.name) for f in dataclasses.fields(schema)])) from None
+    except MissingMandatoryValue as err:
+        raise ConfigError(f"{full(err.full_key)} is not set: add {full(err.full_key)}=<value> to the command") from None
+    except ValidationError as err:
+        field_name = str(err.full_key).split(".")[-1]
+        hint = typing.get_type_hints(schema).get(field_name)
+        if hint is None:
+            raise ConfigError(f"{full(err.full_key)}: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"{full(err.full_key)}={err.value!r} is not {_kind(hint)}") from None
 
 
 def model_config(cfg: DictConfig, vocab_size: int) -> ModelConfig:
     """The composed run config -> the ModelConfig the model is built from (every switch group typed)."""
     groups = {name: typed(schema, cfg[name]) for name, schema in SWITCH_SCHEMAS.items() if name != "optim"}
-    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model)
-    mc: ModelConfig = OmegaConf.to_object(model)
+    mc: ModelConfig = typed(ModelConfig, cfg.model)
     for name, value in groups.items():
         setattr(mc, name, value)
     mc.kernels = typed(KernelsConfig, cfg.kernels)
     mc.vocab_size = vocab_size
     return mc.validate()
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Every group of a composed run config through its schema above, data.path (for data=tokens its
+    meta.json), and the packages the loggers need. A bad setting raises a UserError, one line naming the
+    key; run.py and k3lab.train.train call this before any run directory exists. Cheap: torch is imported
+    only to check a GPU accelerator, wandb only when it is asked for."""
+    typed(RunConfig, OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunConfig)]))
+    from k3lab.budget import length_key
+
+    length_key(cfg.train)  # first: it names the run-length keys' rule
+    typed(TrainConfig, cfg.train).check()
+    data = typed(DataConfig, cfg.data).check()
+    if data.name == "tokens":
+        from k3lab.data import tokens
+
+        with reading_data():
+            tokens.read_meta(data.path)
+    model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
+    check_option("optim", typed(OptimConfig, cfg.optim).name)
+    typed(TrainerConfig, cfg.trainer).check()
+    logger = typed(LoggerConfig, cfg.logger).check()
+    if logger.wandb is not None:
+        require_package("logger=wandb", "wandb", extra="wandb")
+    if logger.tensorboard is not None:
+        require_package("logger=tensorboard", "tensorboard", "tensorboardX", extra="tensorboard")
+
+
+def require_package(what: str, *modules: str, extra: str) -> None:
+    """ConfigError naming the pip extra when none of `modules` can be imported."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+            return
+        except ImportError:
+            continue
+    raise ConfigError(f'{what} needs the {modules[0]} package: pip install -e ".[{extra}]" (or pip install {modules[0]})')

@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from k3lab.config import OptimConfig
+from k3lab.errors import UserError
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
 from k3lab.optim import lightning_optimizers
@@ -41,8 +42,8 @@ from k3lab.parallel import is_sharded, shard_model
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError, RuntimeError):
+    """The loss stopped being finite; the message gives the step and what to change (printed as one line)."""
 
 
 def check_finite(loss: torch.Tensor, step: int, reduce,

@@ -30,6 +30,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
+from k3lab.errors import ConfigError
+
 
 class Preempted(SystemExit):
     """The run stopped for the preemption signal after saving its checkpoint; the same command resumes it.
@@ -37,12 +39,12 @@ class Preempted(SystemExit):
 
 
 def signal_number(name: str) -> signal.Signals:
-    """'USR2' or 'SIGUSR2' -> signal.SIGUSR2; an unknown name raises one ValueError."""
+    """'USR2' or 'SIGUSR2' -> signal.SIGUSR2; an unknown name raises one ConfigError."""
     full = name if name.upper().startswith("SIG") else f"SIG{name}"
     try:
         return signal.Signals[full.upper()]
     except KeyError:
-        raise ValueError(f"train.preempt_signal={name!r} is not a signal name (e.g. USR2, USR1, TERM)") from None
+        raise ConfigError(f"train.preempt_signal={name!r} is not a signal name (e.g. USR2, USR1, TERM)") from None
 
 
 class PreemptionCheckpoint(Callback):

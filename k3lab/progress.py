@@ -1,7 +1,7 @@
 """What a run prints: a header (sizes, FLOPs, the loss floor) and progress that reads well in a log file.
 
 In a terminal, Lightning's RichProgressBar; when stdout is a file (SLURM, nohup, CI), one plain line every
-few percent of the run instead of carriage-return redraws.
+few percent of the run instead of carriage-return redraws, and tables without colour codes (k3lab.console).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.table import Table
 
 from k3lab.budget import RunLength
+from k3lab.console import console
 from k3lab.switches import SWITCHES
 
 
@@ -77,7 +77,7 @@ def print_run_header(cfg: DictConfig, run_dir: Path, counts: dict, flops_per_tok
     table.add_row("steps", f"{length.max_steps:,}{by}")
     table.add_row("training FLOPs", f"{flops_per_token * tokens_per_step * length.max_steps:.3e}")
     table.add_row("unigram entropy", f"{unigram_entropy:.4f} nats (the loss of a frequency-only model)")
-    Console(width=110).print(table)
+    console(110).print(table)
 
 
 @rank_zero_only

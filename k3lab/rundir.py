@@ -1,8 +1,9 @@
 """The run directory (docs/run_directory.md): its name, metrics.jsonl, summary.json, atomic checkpoints.
 
-`metrics.jsonl` is the source; metrics.csv (written at the end) and wandb are mirrors. Every line carries `step`,
-`tokens` and `flops`, derived from the step (tokens per step and FLOPs per token are fixed per run,
-so a resumed run continues the same axes).
+`metrics.jsonl` is the source; metrics.csv (written at the end), wandb and TensorBoard are mirrors. Every
+line carries `step`, `tokens` and `flops`, derived from the step (tokens per step and FLOPs per token are
+fixed per run, so a resumed run continues the same axes). Checkpoints and summary.json are written whole
+or not at all (k3lab.fileio), so a kill or a full disk at any moment keeps the previous version.
 """
 from __future__ import annotations
 
@@ -26,22 +27,22 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from k3lab.errors import ConfigError, UserError
+from k3lab.fileio import atomic_write, atomic_write_text, remove_stale_temps
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to a temporary file, then rename: a run killed mid-write keeps the previous checkpoint."""
+    """torch.save to a temporary file, fsync, then rename: a run killed mid-write, or one whose disk fills,
+    keeps the previous checkpoint whole."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(checkpoint, f))
+
+
+class UnreadableCheckpoint(UserError):
+    """checkpoints/last.ckpt exists but cannot be loaded (truncated or damaged outside k3lab's atomic writes)."""
 
 
 # --- sharded checkpoints (trainer=fsdp): a directory of DCP shards behind the last.ckpt symlink ------
@@ -83,10 +84,16 @@ def remove_checkpoint(path: Path) -> None:
 
 def checkpoint_step(path: Path) -> int:
     """The optimizer step a checkpoint was taken at: from the file itself, or from a sharded checkpoint's
-    meta.pt (the shards are not read)."""
+    meta.pt (the shards are not read). UnreadableCheckpoint when it cannot be loaded; the checkpoint is left
+    as it is: deleting it makes the next run of the same command restart from step 0."""
     path = Path(path)
     meta = path / SHARDED_META if path.is_dir() else path
-    return torch.load(meta, map_location="cpu", weights_only=False)["global_step"]
+    try:
+        return int(torch.load(meta, map_location="cpu", weights_only=False)["global_step"])
+    except Exception as err:  # noqa: BLE001 - a damaged zip, a short read, a missing key: all mean unreadable
+        raise UnreadableCheckpoint(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+            "it is kept as it is: delete it and run the same command again to restart this run from step 0") from err
 
 
 class JsonlLogger(Logger):
@@ -208,15 +215,15 @@ def find_resume_dir(cfg: DictConfig) -> Path:
     if cfg.resume == "last":
         candidates = sorted(Path(cfg.out_dir).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
         if not candidates:
-            raise FileNotFoundError(f"resume=last: no checkpoints/last.ckpt under {Path(cfg.out_dir).resolve()}")
+            raise ConfigError(f"resume=last: no checkpoints/last.ckpt under {Path(cfg.out_dir).resolve()}")
         return candidates[-1].parent.parent
     run_dir = Path(cfg.resume)
     if not (run_dir / "checkpoints" / "last.ckpt").exists():
-        raise FileNotFoundError(f"resume={cfg.resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
+        raise ConfigError(f"resume={cfg.resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
     return run_dir
 
 
-class RunDirBusy(RuntimeError):
+class RunDirBusy(UserError, RuntimeError):
     """Another live process holds the run directory's lock."""
 
 
@@ -263,6 +270,27 @@ def lock_run_dir(run_dir: Path) -> None:
     _LOCKS[path] = f
 
 
+def unlock_run_dir(run_dir: Path) -> None:
+    """Give up this process's lock on `run_dir` (a run it found completed and skipped)."""
+    import fcntl
+
+    f = _LOCKS.pop(Path(run_dir).resolve(), None)
+    if f is not None:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def _decide(overwrite: bool, previous: dict, has_checkpoint: bool) -> str:
+    """How a run starts from what its directory holds (the table of prepare_run_dir)."""
+    if overwrite:
+        return "new"
+    if previous.get("status") == "completed":
+        return "skip"
+    if has_checkpoint:
+        return "resume"
+    return "restart" if previous else "new"
+
+
 def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     """Decide how this run starts, from what its directory holds, so the same command can be run again:
 
@@ -272,33 +300,36 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
         failed or dead before any checkpoint    restart   start at step 0 again
 
     `resume=<dir>` or `resume=last` names the directory instead and requires a checkpoint. A directory
-    whose lock a live process holds raises RunDirBusy. Under DDP every rank takes the same decision from
-    the same files; only rank 0 locks and writes."""
+    whose lock a live process holds raises RunDirBusy. The decision is taken while holding the lock, from
+    what the directory holds then (a process that held it may have completed the run meanwhile); only a
+    run already completed is skipped without the lock, since another live process may still hold it
+    (a sweep keeps its runs' locks until it exits). Under DDP every rank takes the same decision from the
+    same files; only rank 0 locks and writes. Temporary files that killed writers left behind are removed."""
     if cfg.resume:
         run_dir = find_resume_dir(cfg)
-        saved = OmegaConf.load(run_dir / "config.yaml")
         if rank_zero_only.rank == 0:
             lock_run_dir(run_dir)
+            _remove_stale_temps(run_dir)
+        saved = OmegaConf.load(run_dir / "config.yaml")
         return RunPlan(saved, run_dir, run_dir / "checkpoints" / "last.ckpt", "resume", read_summary(run_dir))
     run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     previous = read_summary(run_dir)
-    if cfg.overwrite:
-        action = "new"
-    elif previous.get("status") == "completed":
-        action = "skip"
-    elif ckpt.exists():
-        action = "resume"
-    else:
-        action = "restart" if previous else "new"
     if rank_zero_only.rank != 0:  # a DDP worker that Lightning started from this script: rank 0 owns the directory
+        action = _decide(cfg.overwrite, previous, ckpt.exists())
         if action == "resume":
             return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
         return RunPlan(OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None, action, previous)
-    if action == "skip":
-        return RunPlan(cfg, run_dir, None, action, previous)
+    if not cfg.overwrite and previous.get("status") == "completed":
+        return RunPlan(cfg, run_dir, None, "skip", previous)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock_run_dir(run_dir)
+    previous = read_summary(run_dir)
+    action = _decide(cfg.overwrite, previous, ckpt.exists())
+    if action == "skip":
+        unlock_run_dir(run_dir)
+        return RunPlan(cfg, run_dir, None, action, previous)
+    _remove_stale_temps(run_dir)
     if action == "resume":
         return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
     remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
@@ -308,6 +339,12 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / "overrides.yaml")
     return RunPlan(cfg, run_dir, None, action, previous)
+
+
+def _remove_stale_temps(run_dir: Path) -> None:
+    """Half-written files (a checkpoint, summary.json) of a process killed while writing them; the caller holds the lock."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        remove_stale_temps(folder)
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> float:

@@ -3,9 +3,10 @@
 SweepReport: the closing table of which runs completed, were skipped, resumed or failed, and why. Hydra
 runs `on_job_end` where the job ran (this process under the basic launcher, a worker under joblib, the job
 under submitit), so each job writes its row to <sweep dir>/.sweep/report/<job number>.json and the
-launching process reads them all. Hydra itself keeps a sweep going when one run fails, then re-raises the
-first failure and exits non-zero without calling `on_multirun_end`; so the table is printed at interpreter
-exit (after Hydra's error) unless the sweep ended cleanly. It is what a researcher reads before re-running
+launching process reads them all. A run that fails is reported where it ends (`k3lab.errors.report`: one
+line `error: ...` for a bad setting, else the traceback) and the sweep goes on. Hydra then re-raises the
+first failure, which run.py does not print again, and exits non-zero without calling `on_multirun_end`;
+so the table is printed at interpreter exit unless the sweep ended cleanly. It is what a researcher reads before re-running
 the same command (completed runs are then skipped, killed or failed runs resumed from their last
 checkpoint: k3lab.rundir.prepare_run_dir).
 
@@ -32,10 +33,11 @@ from typing import Any, Sequence
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.table import Table
 
-from k3lab.rundir import atomic_write_text
+from k3lab.console import console
+from k3lab.errors import report, user_message
+from k3lab.fileio import atomic_write_text
 
 OUTCOME = {"new": "completed", "restart": "completed (restarted)", "resume": "completed (resumed)",
            "skip": "skipped (completed before)"}
@@ -64,7 +66,8 @@ class SweepReport(Callback):
                    f"val loss {loss:.4f}" if isinstance(loss, float) else ""]
         else:
             err = job_return._return_value  # the exception; .return_value would re-raise it
-            row = [overrides, "FAILED", f"{type(err).__name__}: {err}"[:200]]
+            report(err)
+            row = [overrides, "FAILED", (user_message(err) or f"{type(err).__name__}: {err}")[:200]]
         atomic_write_text(self.rows_dir / f"{config.hydra.job.num}.json", json.dumps(row))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -93,9 +96,9 @@ class SweepReport(Callback):
                           style="red" if outcome == "FAILED" else None)
         failed = sum(r[1] == "FAILED" for r in rows)
         skipped = sum(r[1].startswith("skipped") for r in rows)
-        console = Console(width=140)
-        console.print(table)
-        console.print(f"{len(rows) - failed - skipped} completed, {skipped} skipped, {failed} failed"
+        out = console(140)
+        out.print(table)
+        out.print(f"{len(rows) - failed - skipped} completed, {skipped} skipped, {failed} failed"
                       + ("; run the same command again to retry the failed runs (completed ones are skipped)"
                          if failed else ""))
 

@@ -5,11 +5,14 @@ types and what the results table shows; the first option is the K3 default. Ever
 switches or options reads this table: the config schemas (k3lab/config.py), the run header, the
 `switches` field of summary.json, `python run.py --help`. `analysis/` keeps its own copy
 (analysis/switches.py: analysis never imports k3lab) and tests/test_registry.py checks that the copy,
-this table, the files in conf/ and the defaults list of conf/config.yaml agree.
+this table, the files in conf/ and the defaults list of conf/config.yaml agree. `GROUPS` says what each
+other config group is for.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from k3lab.errors import ConfigError, not_an_option
 
 
 class Switch(NamedTuple):
@@ -45,9 +48,24 @@ SWITCHES: dict[str, Switch] = {
 
 K3_DEFAULT: dict[str, str] = {name: s.options[0] for name, s in SWITCHES.items()}
 
+# The other config groups of conf/: they set up a run (its size, data, machine, mirrors) rather than
+# choose an innovation. Their options are the files of conf/<group>/ and their defaults are in the
+# defaults list of conf/config.yaml; `python run.py --help` lists both (k3lab/help.py).
+GROUPS: dict[str, str] = {
+    "model": "model size; each file states every model setting (ladder: one depth dial, width = 64 x model.n_layers)",
+    "data": "what the model reads: State of the Union text (no download), your text (data=text data.path=<file or "
+            "folder>), MQAR recall, or token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>)",
+    "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP, or FSDP2 sharding)",
+    "logger": "mirrors of metrics.jsonl: none, Weights & Biases (offline unless logged in) or TensorBoard; "
+              'pip install -e ".[wandb]" or ".[tensorboard]"; both: logger=[wandb,tensorboard]',
+    "experiment": "presets of several groups and settings (a task with its training length)",
+    "sweep": "multirun definitions of sweeps/: python run.py -m sweep=<name>",
+    "debug": "checks of a set-up: a few steps of everything, or overfitting one batch",
+}
+
 
 def check_option(switch: str, value: str) -> None:
     """Raise one clear line when `value` is not an option of `switch`."""
     options = SWITCHES[switch].options
     if value not in options:
-        raise ValueError(f"{switch}.name={value!r} is not an option; valid options: {', '.join(options)}")
+        raise ConfigError(not_an_option(f"{switch}.name", value, options))

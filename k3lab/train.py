@@ -3,15 +3,18 @@
 `run.py` (Hydra) calls `train(cfg)`, which builds the parts in this order and records everything a
 run needs to be analysed or resumed in its run directory (docs/run_directory.md):
 
-    run directory   k3lab.rundir.prepare_run_dir   (new, or the one being resumed)
+    run directory   k3lab.rundir.prepare_run_dir   (new, restarted, or the one being resumed)
     data            k3lab.data.K3DataModule
     model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone;
                                                    model.compile() when train.compile is on
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
     run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
-    loggers         metrics.jsonl (+ wandb)
+    loggers         metrics.jsonl (+ TensorBoard, wandb)
     trainer         Lightning, with the checkpoint callback, the progress display and the preemption
                     checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
+
+Before any of it, `check_config` types every group and checks the paths and packages the run needs,
+so a bad setting fails in a second with one line and leaves nothing on disk (k3lab/errors.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import logging
 import resource
 import statistics
 import sys
+import uuid
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,11 +31,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from k3lab.budget import length_key, run_length
-from k3lab.config import DataConfig, OptimConfig, model_config, typed
+from k3lab.budget import run_length
+from k3lab.config import DataConfig, LoggerConfig, OptimConfig, TrainerConfig, check_config, model_config, typed
 from k3lab.data import K3DataModule
+from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule
 from k3lab.model import K3Model
@@ -39,34 +45,40 @@ from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
 from k3lab.progress import print_final, print_run_header, progress_callback
-from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, checkpoint_step, environment, prepare_run_dir,
-                          read_metrics, truncate_metrics, write_metrics_csv)
+from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, environment,
+                          prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
 from k3lab.switches import SWITCHES
 
 
 def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callback] = ()) -> dict:
     """One run into its run directory; extra Lightning callbacks (probes) may ride along. Returns summary.json,
     whose `outcome` says how this process started the run (new, resume or restart; skip when it found the
-    run completed and did nothing: see prepare_run_dir)."""
+    run completed and did nothing: see prepare_run_dir). A bad setting raises ConfigError before anything
+    is written (check_config); any failure after the directory exists is recorded there as `failed`."""
     quiet_lightning()
-    deterministic_mode(cfg.trainer)  # bad values fail here, before any run directory exists
-    length_key(cfg.train)
+    check_config(cfg)
     if cfg.train.get("preempt_signal"):
         signal_number(cfg.train.preempt_signal)
-    compile_mode(cfg)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
         rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
         return {**plan.previous, "outcome": "skip"}
     cfg, run_dir, ckpt_path = plan.cfg, plan.run_dir, plan.ckpt_path
-    start_step = checkpoint_step(ckpt_path) if ckpt_path else 0
+    if plan.action == "resume":
+        check_config(cfg)  # the run's own config.yaml: its data may have moved since
+    fields = {"run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
+              "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name,
+              "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action}
+    try:
+        start_step = checkpoint_step(ckpt_path) if ckpt_path else 0
+    except UnreadableCheckpoint as err:
+        Summary(run_dir, fields).finish("failed", error=f"{type(err).__name__}: {err}")
+        raise
     elapsed = truncate_metrics(run_dir, start_step) if ckpt_path else 0.0
     # from here on, any failure is recorded in summary.json
-    summary = Summary(run_dir, {"run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
-                                "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name,
-                                "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action},
-                      elapsed_s=elapsed)
+    summary = Summary(run_dir, fields, elapsed_s=elapsed)
     known: dict = {}  # what final_fields needs, filled in as the parts are built
+    loggers: list = []
     job = JobProcesses()  # the worker processes and process group of this run end with it
     preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", cfg.train.get("preempt_signal"),
                                       cfg.train.log_every)
@@ -77,9 +89,10 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                                   + (f" (it had {plan.previous['status']})" if plan.previous.get("status") else ""))
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         data_cfg: DataConfig = typed(DataConfig, cfg.data)
-        datamodule = K3DataModule(data_cfg, seed=cfg.seed)
-        datamodule.prepare_data()
-        datamodule.setup("fit")
+        with reading_data():
+            datamodule = K3DataModule(data_cfg, seed=cfg.seed)
+            datamodule.prepare_data()
+            datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
         if compile_mode(cfg):
@@ -98,8 +111,11 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                        **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
         print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
-        trainer = job.trainer = build_trainer(cfg, run_dir, build_loggers(cfg, run_dir, tokens_per_step, fpt),
-                                              datamodule.n_val_batches, length.max_steps, [preemption, *callbacks])
+        if typed(LoggerConfig, cfg.logger).wandb is not None:
+            summary.update(wandb_id=summary.data.get("wandb_id") or uuid.uuid4().hex[:12])  # one wandb run per directory
+        loggers = build_loggers(cfg, run_dir, tokens_per_step, fpt, start_step, summary.data.get("wandb_id"))
+        trainer = job.trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches, length.max_steps,
+                                              [preemption, *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -108,8 +124,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
             trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
-        summary.finish("failed", error=f"{type(err).__name__}: {err}", **final_fields(run_dir, **known))
-        write_metrics_csv(run_dir)
+        record_failure(summary, err, final_fields(run_dir, **known))
+        close_loggers(loggers, failed=True)
         job.end()
         if isinstance(err, Preempted):
             rank_zero_only(print)(f"{run_dir}: {err}")
@@ -118,6 +134,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         raise
     finally:
         preemption.restore()
+    close_loggers(loggers, failed=False)
     job.end()
     summary.finish("completed", **final_fields(run_dir, **known))
     write_metrics_csv(run_dir)
@@ -126,6 +143,16 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         rank_zero_only(plot_depth_diagnostics)(module.last_depth, run_dir / "plots")
     print_final(summary.data)
     return summary.data
+
+
+def record_failure(summary: Summary, err: BaseException, fields: dict) -> None:
+    """summary.json says `failed` with the error, and metrics.csv mirrors what was logged; when the disk is
+    full even that may fail, which is said on stderr while the original error goes on up."""
+    try:
+        summary.finish("failed", error=f"{type(err).__name__}: {err}", **fields)
+        write_metrics_csv(summary.path.parent)
+    except OSError as write_err:
+        rank_zero_only(print)(f"warning: could not record the failure in {summary.path}: {write_err}", file=sys.stderr)
 
 
 def quiet_lightning() -> None:
@@ -142,14 +169,10 @@ def quiet_lightning() -> None:
 
 def deterministic_mode(tc: DictConfig) -> bool | str:
     """Lightning's ``deterministic`` from trainer.deterministic: null means on for the CPU and off on
-    GPUs; true, false and "warn" are passed through. Lightning then calls
-    torch.use_deterministic_algorithms and sets CUBLAS_WORKSPACE_CONFIG."""
-    mode = tc.get("deterministic")
-    if mode is None:
-        return tc.accelerator == "cpu"
-    if mode not in (True, False, "warn"):
-        raise ValueError(f"trainer.deterministic={mode!r} is not an option; valid options: null, true, false, warn")
-    return mode
+    GPUs; true, false and "warn" are passed through (TrainerConfig.check rejects anything else). Lightning
+    then calls torch.use_deterministic_algorithms and sets CUBLAS_WORKSPACE_CONFIG."""
+    mode = typed(TrainerConfig, tc).check().deterministic
+    return tc.accelerator == "cpu" if mode is None else mode
 
 
 def compile_mode(cfg: DictConfig) -> bool:
@@ -161,20 +184,44 @@ def compile_mode(cfg: DictConfig) -> bool:
     if mode is None:
         return cfg.trainer.accelerator != "cpu"
     if mode not in (True, False):
-        raise ValueError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
+        raise ConfigError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
     return mode
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: float) -> list:
-    """metrics.jsonl always (the source); wandb as a mirror when logger.wandb is set."""
+def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,
+                  wandb_id: str | None = None) -> list:
+    """metrics.jsonl always (the source); TensorBoard and wandb as mirrors when the logger group names them.
+
+    A resumed run continues its mirrors: TensorBoard drops the events a killed process logged after the
+    checkpoint (purge_step), as metrics.jsonl does; wandb continues the run `wandb_id` (summary.json keeps it).
+    wandb leaves stdout alone (console="off") and prints only where its files are (quiet), so the log
+    stays plain text when it is a file."""
+    lc: LoggerConfig = typed(LoggerConfig, cfg.logger)
     loggers = [JsonlLogger(run_dir, tokens_per_step, fpt)]
-    if cfg.logger.wandb:
+    if lc.tensorboard is not None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name=lc.tensorboard.dir, version="",
+                                         default_hp_metric=False, purge_step=start_step + 1 if start_step else None))
+    if lc.wandb is not None:
+        import wandb
         from lightning.pytorch.loggers import WandbLogger
 
-        loggers.append(WandbLogger(project=cfg.logger.project, name=run_dir.name, save_dir=str(run_dir),
-                                   offline=cfg.logger.mode == "offline",
-                                   config=OmegaConf.to_container(cfg, resolve=True)))
+        mirror = WandbLogger(project=lc.wandb.project, name=run_dir.name, save_dir=str(run_dir), id=wandb_id,
+                             mode=lc.wandb.mode, settings=wandb.Settings(console="off", quiet=True),
+                             config=OmegaConf.to_container(cfg, resolve=True))
+        mirror._wandb_init.pop("anonymous", None)  # Lightning always passes anonymous=None, which wandb warns about
+        loggers.append(mirror)
     return loggers
+
+
+def close_loggers(loggers: list, failed: bool) -> None:
+    """End the wandb run of this run directory (a multirun starts the next one in the same process)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger.experiment.finish(exit_code=1 if failed else 0)
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -202,16 +249,19 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
     tc = cfg.trainer
     ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                           every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
-    return L.Trainer(
-        accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
-        precision=tc.precision, max_steps=max_steps, max_epochs=-1,
-        val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
-        limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
-        overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
-        callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
-        enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
-        deterministic=deterministic_mode(tc),
-    )
+    try:
+        return L.Trainer(
+            accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
+            precision=tc.precision, max_steps=max_steps, max_epochs=-1,
+            val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
+            limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
+            overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
+            callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
+            enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
+            deterministic=deterministic_mode(tc),
+        )
+    except MisconfigurationException as err:  # Lightning's own check of the trainer settings
+        raise ConfigError(f"trainer: {err}") from err
 
 
 def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int = 0, fpt: float = 0.0,

@@ -1,7 +1,8 @@
 """A sweep survives its runs: one failing run is recorded and the others go on, the sweep ends with a
 table and a non-zero exit, and the same command again skips what completed, resumes a killed run from
 its checkpoint (the same curve) and retries the failed one. Also: the lock that keeps two processes out
-of one run directory, and a run that fails before training ends `failed`, not `running`."""
+of one run directory, and a run that fails before training (its data folder holds no text yet) ends
+`failed`, not `running`. (A run that fails its config checks creates nothing: tests/test_messages.py.)"""
 import json
 import signal
 import subprocess
@@ -25,7 +26,7 @@ def cache(tmp_path, monkeypatch):
 
 def corpus(path: Path, seed: int = 0) -> Path:
     """A folder of 6 small text documents (data=text reads a folder of .txt, one document each)."""
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     for d in range(6):
         (path / f"doc{d}.txt").write_text(" ".join(f"line {j} of document {d} says {(j * 7 + seed) % 13}."
                                                    for j in range(300)))
@@ -42,21 +43,22 @@ def run_dir_of(out: Path, path: Path) -> Path:
 def test_failed_run_is_reported_and_a_rerun_skips_resumes_and_retries(tmp_path):
     out = tmp_path / "runs"
     a, c = corpus(tmp_path / "a"), corpus(tmp_path / "c", seed=1)
-    missing = tmp_path / "b"
-    sweep = ["-m", "data=text", f"data.path={a},{missing},{c}", f"out_dir={out}", "group=s", *TINY]
+    empty = tmp_path / "b"  # no text in it yet: that run fails while reading its data
+    empty.mkdir()
+    sweep = ["-m", "data=text", f"data.path={a},{empty},{c}", f"out_dir={out}", "group=s", *TINY]
 
     first = run_cli(sweep)
     log1 = first.communicate(timeout=900)[0]
     assert first.returncode != 0, log1
     assert "2 completed, 0 skipped, 1 failed" in log1, log1
-    assert "FAILED" in log1 and "does not exist" in log1, log1
+    assert "FAILED" in log1 and "error: no .txt or .jsonl files under data.path" in log1, log1
     done_a = json.loads((run_dir_of(out, a) / "summary.json").read_text())
     reference_c = json.loads((run_dir_of(out, c) / "summary.json").read_text())
-    failed = json.loads((run_dir_of(out, missing) / "summary.json").read_text())
+    failed = json.loads((run_dir_of(out, empty) / "summary.json").read_text())
     assert (done_a["status"], reference_c["status"], failed["status"]) == ("completed", "completed", "failed")
-    assert "does not exist" in failed["error"]
+    assert "no .txt or .jsonl files" in failed["error"]
 
-    # c is trained again from scratch and killed after a checkpoint; the missing file appears
+    # c is trained again from scratch and killed after a checkpoint; the empty folder gets its text
     c_dir = run_dir_of(out, c)
     overrides = (c_dir / "overrides.yaml").read_text().split("\n")
     victim = run_cli([o[2:] for o in overrides if o.startswith("- ")] + ["overwrite=true"])
@@ -69,7 +71,7 @@ def test_failed_run_is_reported_and_a_rerun_skips_resumes_and_retries(tmp_path):
     victim.send_signal(signal.SIGKILL)
     victim_log = victim.communicate()[0]
     assert json.loads((c_dir / "summary.json").read_text())["status"] == "running", victim_log
-    corpus(missing, seed=2)
+    corpus(empty, seed=2)
 
     second = run_cli(sweep)
     log2 = second.communicate(timeout=900)[0]
@@ -80,18 +82,20 @@ def test_failed_run_is_reported_and_a_rerun_skips_resumes_and_retries(tmp_path):
     resumed_c = json.loads((c_dir / "summary.json").read_text())
     assert resumed_c["status"] == "completed" and resumed_c["steps"] == 16, log2
     assert abs(resumed_c["loss_val_final"] - reference_c["loss_val_final"]) < 1e-5, (resumed_c, reference_c)
-    assert json.loads((run_dir_of(out, missing) / "summary.json").read_text())["status"] == "completed"
+    assert json.loads((run_dir_of(out, empty) / "summary.json").read_text())["status"] == "completed"
 
 
 def test_a_run_that_fails_before_training_ends_failed_and_reruns_without_a_flag(tmp_path):
     out = tmp_path / "runs"
     path = tmp_path / "later"
+    path.mkdir()
     args = ["data=text", f"data.path={path}", f"out_dir={out}", "run_name=r", *TINY]
     first = run_cli(args)
     log = first.communicate(timeout=300)[0]
-    assert first.returncode != 0
+    assert first.returncode == 2, log
+    assert log.splitlines()[-1] == f"error: no .txt or .jsonl files under data.path {str(path)!r}", log
     summary = json.loads((out / "default" / "r" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "does not exist" in summary["error"], log
+    assert summary["status"] == "failed" and "no .txt or .jsonl files" in summary["error"], log
     corpus(path)
     again = run_cli(args)
     log = again.communicate(timeout=300)[0]

@@ -15,9 +15,11 @@ Text corpora (`sotu`, `text`) are prepared once and cached under `cache_dir/lm/<
 tokenizer (`tokenizer.json`, BPE only), the packed train and validation token streams (`.npy`) and
 `meta.json`, written last, which marks the entry complete. `key` hashes the corpus fingerprint, the
 split, the tokenizer kind, its vocabulary size and the BPE recipe. Every file is written to a
-temporary name and moved into place with `os.replace`, so concurrent writers (DDP ranks, parallel
-runs) never leave a torn file; Lightning calls `prepare_data` on local rank 0 only and the other
-ranks load the finished cache in `setup`.
+temporary name and moved into place (`k3lab.fileio.atomic_write`), so concurrent writers (DDP ranks,
+parallel runs) never leave a torn file; Lightning calls `prepare_data` on local rank 0 only and the other
+ranks load the finished cache in `setup`. An entry that cannot be read back (a file truncated or
+damaged after it was written) is built again, with a line that says so; building prints a line before
+and after, with the time it took.
 
 Token shards (`tokens`, made by `python -m k3lab.data.prepare`, format in `k3lab.data.tokens`) are
 memory-mapped from `data.path` as they are; the vocabulary comes from their meta.json.
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +42,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from ..config import DataConfig
+from ..config import DATASETS, TOKENIZERS, DataConfig, check_choice
+from ..fileio import atomic_write, atomic_write_bytes, remove_stale_temps
 from . import corpus, mqar, tokens
-from .tokenizer import BPE_SETTINGS, BPETokenizer, ByteTokenizer, atomic_write_bytes, pack
+from .tokenizer import BPE_SETTINGS, BPETokenizer, ByteTokenizer, pack
 
-DATASETS = ("sotu", "text", "mqar", "tokens")
-TOKENIZERS = ("bpe", "byte")
 IGNORE_INDEX = -100
 CACHE_FORMAT = 1
 
@@ -92,29 +94,46 @@ def lm_cache_key(cfg: DataConfig) -> str:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.save(f, array))
 
 
 def prepare_lm(cfg: DataConfig) -> LMData:
-    """Load the cached tokenizer and token streams for `cfg`, building them first if missing."""
-    if cfg.tokenizer not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is not an option; valid options: {', '.join(TOKENIZERS)}")
+    """Load the cached tokenizer and token streams for `cfg`, building them first if missing or unreadable."""
+    check_choice("data.tokenizer", cfg.tokenizer, TOKENIZERS)
     entry = resolve_cache_dir(cfg.cache_dir) / "lm" / lm_cache_key(cfg)
+    cached, _ = _load_lm(cfg, entry)
+    if cached is not None:
+        return cached
+    entry.mkdir(parents=True, exist_ok=True)
+    with _exclusive(entry / ".lock"):  # one process builds, concurrent ones wait, then load
+        cached, problem = _load_lm(cfg, entry)
+        if cached is not None:
+            return cached
+        if problem:
+            print(f"tokenizer cache {entry} cannot be read ({problem}); building it again", flush=True)
+        (entry / "meta.json").unlink(missing_ok=True)
+        remove_stale_temps(entry)
+        return _build_lm(cfg, entry)
+
+
+def _load_lm(cfg: DataConfig, entry: Path) -> tuple[LMData | None, str | None]:
+    """The cache entry, or (None, why not): why is None when there is no finished entry, else what
+    could not be read (a truncated or damaged file)."""
     if not (entry / "meta.json").exists():
-        entry.mkdir(parents=True, exist_ok=True)
-        with _exclusive(entry / ".lock"):  # one process builds, concurrent ones wait, then load
-            if not (entry / "meta.json").exists():
-                return _build_lm(cfg, entry)
-    meta = json.loads((entry / "meta.json").read_text())
-    tok = BPETokenizer.load(entry / "tokenizer.json") if cfg.tokenizer == "bpe" else ByteTokenizer()
-    train = np.load(entry / "train.npy", mmap_mode="r")
-    val = np.load(entry / "val.npy", mmap_mode="r")
-    return LMData(train, val, tok, meta, cache_hit=True)
+        return None, None
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        tok = BPETokenizer.load(entry / "tokenizer.json") if cfg.tokenizer == "bpe" else ByteTokenizer()
+        train = np.load(entry / "train.npy", mmap_mode="r")
+        val = np.load(entry / "val.npy", mmap_mode="r")
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a damaged tokenizer.json
+        return None, " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    sizes = {"vocab_size": tok.vocab_size, "train_tokens": train.size, "val_tokens": val.size}
+    wrong = [f"{key} {value} where meta.json says {meta.get(key)}" for key, value in sizes.items()
+             if meta.get(key) != value]
+    if wrong:
+        return None, "; ".join(wrong)
+    return LMData(train, val, tok, meta, cache_hit=True), None
 
 
 @contextlib.contextmanager
@@ -140,14 +159,21 @@ def _build_lm(cfg: DataConfig, entry: Path) -> LMData:
     docs = corpus.load_documents(cfg.name, cfg.path)
     train_docs, val_docs = corpus.split_documents(docs, cfg.val_fraction)
     t_load = time.perf_counter()
+    chars = sum(len(t) for _, t in train_docs)
+    docs_desc = f"{len(train_docs):,} training documents of {cfg.name} ({chars / 1e6:.2f}M characters)"
+    what = (f"training a byte-level BPE of {cfg.vocab_size:,} tokens on {docs_desc}" if cfg.tokenizer == "bpe"
+            else f"encoding {docs_desc} as bytes")
+    print(f"tokenizer: {what}, once: later runs read it from {entry}", flush=True)
     if cfg.tokenizer == "bpe":
-        tok = BPETokenizer.train((text for _, text in train_docs), cfg.vocab_size)
+        tok = BPETokenizer.train((text for _, text in train_docs), cfg.vocab_size, show_progress=sys.stderr.isatty())
     else:
         tok = ByteTokenizer()
     t_train = time.perf_counter()
     train = pack(tok, [text for _, text in train_docs])
     val = pack(tok, [text for _, text in val_docs])
     t_pack = time.perf_counter()
+    trained = f"trained in {t_train - t_load:.1f} s, " if cfg.tokenizer == "bpe" else ""
+    print(f"tokenizer: {trained}{train.size + val.size:,} tokens encoded in {t_pack - t_train:.1f} s", flush=True)
 
     if cfg.tokenizer == "bpe":
         tok.save(entry / "tokenizer.json")
@@ -164,7 +190,7 @@ def _build_lm(cfg: DataConfig, entry: Path) -> LMData:
         "val_doc_ids": [d for d, _ in val_docs],
         "train_tokens": int(train.size),
         "val_tokens": int(val.size),
-        "train_chars": sum(len(t) for _, t in train_docs),
+        "train_chars": chars,
         "seconds": {"load": t_load - t0, "tokenizer": t_train - t_load, "encode": t_pack - t_train},
     }
     atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
@@ -300,8 +326,7 @@ class K3DataModule(L.LightningDataModule):
 
     def __init__(self, cfg: DataConfig, seed: int = 0):
         super().__init__()
-        if cfg.name not in DATASETS:
-            raise ValueError(f"data.name={cfg.name!r} is not an option; valid options: {', '.join(DATASETS)}")
+        check_choice("data.name", cfg.name, DATASETS)
         self.cfg, self.seed = cfg, seed
         self._start_step: int | None = None
         self._ready = False

