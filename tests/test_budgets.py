@@ -16,7 +16,7 @@ from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
 from k3lab.train import train
 
-from test_train import FAST, ROOT, rows
+from test_train import ROOT, byte_args, rows, small_corpus
 
 TOKENS_PER_STEP = 4 * 32  # FAST: data.batch_size=4, data.seq_len=32, one CPU process
 
@@ -28,16 +28,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for d in range(6):
-        (folder / f"doc{d}.txt").write_text(" ".join(f"line {j} of document {d} says {(j * 7) % 13}."
-                                                     for j in range(300)))
-    return folder
-
-
-def args(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["data=text", f"data.path={corpus}", "data.tokenizer=byte", f"out_dir={out}", *FAST, *extra]
+    return small_corpus(tmp_path / "corpus")
 
 
 def compose_run(overrides: list[str]):
@@ -64,7 +55,7 @@ class StopAtStart(L.Callback):
 
 
 def test_tokens_per_param_20_sets_max_steps_and_the_schedule_follows(corpus, tmp_path):
-    overrides = args(corpus, tmp_path, "train.tokens_per_param=20", "optim.warmup_frac=0.1", "run_name=tpp")
+    overrides = byte_args(corpus, tmp_path, "train.tokens_per_param=20", "optim.warmup_frac=0.1", "run_name=tpp")
     model = independent_model(overrides)
     n = model.param_counts()["params_active_non_embedding"]
     expected = math.ceil(20 * n / TOKENS_PER_STEP)
@@ -86,7 +77,7 @@ def test_tokens_per_param_20_sets_max_steps_and_the_schedule_follows(corpus, tmp
 
 def test_flop_budget_trains_the_steps_it_promises_and_spends_the_budget(corpus, tmp_path):
     budget = 3.5e9
-    overrides = args(corpus, tmp_path, f"train.flop_budget={budget}", "train.val_every=6", "run_name=c")
+    overrides = byte_args(corpus, tmp_path, f"train.flop_budget={budget}", "train.val_every=6", "run_name=c")
     fpt = flops_per_token(independent_model(overrides), 32)
     expected = math.ceil(budget / (fpt * TOKENS_PER_STEP))
     assert expected == 12  # 3.5e9 / (2,461,824 FLOPs/token x 128 tokens) = 11.1 steps: rounded up
@@ -106,7 +97,7 @@ def test_flop_budget_trains_the_steps_it_promises_and_spends_the_budget(corpus, 
     ["debug=fast_dev_run", "train.flop_budget=1e12"],
 ])
 def test_two_length_settings_are_one_error_before_any_run_directory(corpus, tmp_path, extra):
-    overrides = args(corpus, tmp_path, *extra)
+    overrides = byte_args(corpus, tmp_path, *extra)
     with pytest.raises(ValueError, match="the run length is set by at most one of") as err:
         train(compose_run(overrides), overrides=overrides)
     assert "\n" not in str(err.value)
@@ -119,6 +110,6 @@ def test_two_length_settings_are_one_error_before_any_run_directory(corpus, tmp_
     ("train.max_steps=2.5", "train.max_steps=2.5 must be a positive integer"),
 ])
 def test_bad_length_values_fail_naming_the_key(corpus, tmp_path, extra, message):
-    overrides = args(corpus, tmp_path, extra)
+    overrides = byte_args(corpus, tmp_path, extra)
     with pytest.raises(ValueError, match=re.escape(message)):
         train(compose_run(overrides), overrides=overrides)

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from k3lab.preempt import Preempted
 from k3lab.train import train
 
-from test_train import FAST, ROOT, rows, run_cli
+from test_train import ROOT, byte_args, rows, run_cli, small_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -33,16 +33,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for d in range(6):
-        (folder / f"doc{d}.txt").write_text(" ".join(f"line {j} of document {d} says {(j * 7) % 13}."
-                                                     for j in range(300)))
-    return folder
-
-
-def args(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["data=text", f"data.path={corpus}", "data.tokenizer=byte", f"out_dir={out}", *FAST, *extra]
+    return small_corpus(tmp_path / "corpus")
 
 
 def compose_run(overrides: list[str], hydra: bool = False):
@@ -84,7 +75,7 @@ def test_preemption_signal_saves_at_the_next_logging_step_and_the_same_command_r
     """SIGUSR2 after step 4 with log_every=3: the run saves at step 6 (a logging step, so the mean training
     loss of every interval stays whole), stops with Preempted before step 7 and gives the handler back; the
     same command resumes from step 6 and ends on the uninterrupted run's curve."""
-    common = args(corpus, tmp_path, "train.max_steps=12", "train.log_every=3", "train.val_every=6",
+    common = byte_args(corpus, tmp_path, "train.max_steps=12", "train.log_every=3", "train.val_every=6",
                   "train.ckpt_every=100")
     run_inprocess([*common, "run_name=whole"])
     before = signal.getsignal(signal.SIGUSR2)
@@ -111,7 +102,7 @@ def test_slurm_local_job_preempted_by_its_signal_is_requeued_and_ends_on_the_sam
     requeues the job with the same overrides, the new job resumes from that step, and the run ends with every
     loss of an uninterrupted run."""
     out = tmp_path / "runs"
-    common = args(corpus, out, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=1000")
+    common = byte_args(corpus, out, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=1000")
     run_inprocess([*common, "run_name=whole"])
     sweep = run_cli(["-m", "hydra/launcher=slurm_local", *common, "group=slurm", "run_name=cut"],
                     start_new_session=True)
@@ -174,7 +165,7 @@ def test_joblib_gives_each_parallel_job_its_own_device_and_the_sweep_its_table(c
     out = tmp_path / "runs"
     sweep = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                      "hydra.callbacks.device_per_job.devices=[3,5]", "seed=0,1,2", "group=j",
-                     *args(corpus, out, "train.max_steps=2", "train.val_every=2")])
+                     *byte_args(corpus, out, "train.max_steps=2", "train.val_every=2")])
     log = sweep.communicate(timeout=600)[0]
     assert sweep.returncode == 0, log
     assert "3 completed, 0 skipped, 0 failed" in log, log
@@ -193,7 +184,7 @@ def test_joblib_gives_each_parallel_job_its_own_device_and_the_sweep_its_table(c
 def test_joblib_with_more_parallel_jobs_than_devices_stops_before_any_run(corpus, tmp_path):
     sweep = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=3",
                      "hydra.callbacks.device_per_job.devices=[0,1]", "seed=0,1,2",
-                     *args(corpus, tmp_path, "train.max_steps=2")])
+                     *byte_args(corpus, tmp_path, "train.max_steps=2")])
     log = sweep.communicate(timeout=300)[0]
     assert sweep.returncode != 0
     assert "hydra.launcher.n_jobs=3 runs 3 jobs at once but there are 2 GPUs (0,1)" in log, log

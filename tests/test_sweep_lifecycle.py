@@ -14,7 +14,7 @@ import pytest
 
 from k3lab.rundir import read_summary
 
-from test_train import FAST, ROOT, run_cli  # noqa: F401  (ROOT: the repo, run_cli: python run.py ...)
+from test_train import FAST, ROOT, run_cli, small_corpus as corpus  # noqa: F401  (ROOT: the repo)
 
 TINY = [*FAST, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=2", "data.tokenizer=byte"]
 
@@ -22,15 +22,6 @@ TINY = [*FAST, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=2", 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("K3LAB_CACHE", str(tmp_path / "cache"))
-
-
-def corpus(path: Path, seed: int = 0) -> Path:
-    """A folder of 6 small text documents (data=text reads a folder of .txt, one document each)."""
-    path.mkdir(parents=True, exist_ok=True)
-    for d in range(6):
-        (path / f"doc{d}.txt").write_text(" ".join(f"line {j} of document {d} says {(j * 7 + seed) % 13}."
-                                                   for j in range(300)))
-    return path
 
 
 def run_dir_of(out: Path, path: Path) -> Path:

@@ -35,6 +35,21 @@ def cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("K3LAB_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+def small_corpus(folder: Path, seed: int = 0) -> Path:
+    """A folder of 6 small synthetic text documents (data=text: one .txt, one document), for tests whose
+    subject is not the corpus; train on it with the byte tokenizer (`byte_args`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in range(6):
+        (folder / f"doc{d}.txt").write_text(" ".join(f"line {j} of document {d} says {(j * 7 + seed) % 13}."
+                                                     for j in range(300)))
+    return folder
+
+
+def byte_args(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """Overrides of a FAST run on `corpus` with the byte tokenizer, writing under `out`."""
+    return ["data=text", f"data.path={corpus}", "data.tokenizer=byte", f"out_dir={out}", *FAST, *extra]
+
+
 def overrides(corpus: Path, out: Path, *extra: str) -> list[str]:
     return ["data=text", f"data.path={corpus}", f"out_dir={out}", *FAST, *extra]
 
