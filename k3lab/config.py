@@ -255,15 +255,15 @@ class TrainConfig:
     val_every: int = 50          # validate every N steps (and at step 0 and the end)
     val_batches: int = 0         # 0: the whole validation set
     log_every: int = 10
-    ckpt_every: int = 50
+    ckpt_every: int = 50         # 0: only the checkpoint at the end
     compile: Optional[bool] = None   # null: on for GPUs, off for the CPU
     compile_backend: str = "inductor"
     overfit_batches: int = 0     # >0: train (and validate) on that many fixed batches (debug=overfit)
     preempt_signal: Optional[str] = "USR2"  # save at the next logging step and stop (k3lab/preempt.py)
 
     def check(self) -> "TrainConfig":
-        check_at_least("train", self, 1, "val_every", "log_every", "ckpt_every")
-        check_at_least("train", self, 0, "val_batches", "overfit_batches")
+        check_at_least("train", self, 1, "val_every", "log_every")
+        check_at_least("train", self, 0, "ckpt_every", "val_batches", "overfit_batches")
         return self
 
 

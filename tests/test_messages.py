@@ -41,7 +41,7 @@ def composed(*overrides: str):
     (["data=text", "data.path=/nonexistent"], "data.path '/nonexistent' does not exist"),
     (["data=text"], "data=text needs data.path=<file or folder>"),
     (["resume={tmp}/nope"], "resume={tmp}/nope: no checkpoint at {tmp}/nope/checkpoints/last.ckpt"),
-    (["train.ckpt_every=0"], "train.ckpt_every=0 must be >= 1"),
+    (["train.log_every=0"], "train.log_every=0 must be >= 1"),
     (["train.val_every=abc"], "train.val_every='abc' is not an integer"),
     (["+train.foo=1"], "train.foo is not a key; the keys of train: ckpt_every, compile, compile_backend, "
                        "default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
