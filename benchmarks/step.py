@@ -13,9 +13,10 @@ empty set, or none given, is the positional overrides alone). For each variant:
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
   torch.autocast(bf16) when trainer.precision is bf16-mixed; model.compile() when train.compile says so
-  (k3lab.train.compile_mode); the configured data's training batches of the first steps, put on the
+  (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
-  CPU); peak memory: torch.cuda.max_memory_allocated over the row.
+  CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
+  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak).
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps steps into a temporary run directory,
   logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
   checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
@@ -58,7 +59,7 @@ from k3lab.lit import PEAK_FLOPS
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
 from k3lab.rundir import read_metrics
-from k3lab.train import compile_mode, peak_memory_mb, quiet_lightning, train
+from k3lab.train import compile_model, peak_memory_mb, quiet_lightning, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,15 +156,14 @@ def training_batches(cfg: DictConfig, n: int, device: torch.device) -> tuple[K3D
     return dm, [tuple(t.to(device) for t in dm.train_batch(s)) for s in range(n)]
 
 
-def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int) -> Row:
+def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: int = 0) -> Row:
     device = device_of(cfg)
     reset_peak(device)
     torch.manual_seed(cfg.seed)
-    dm, batches = training_batches(cfg, warmup + steps, device)
+    dm, batches = training_batches(cfg, warmup + steps + profile, device)
     model = K3Model(model_config(cfg, dm.vocab_size)).to(device)
     fpt = flops_per_token(model, cfg.data.seq_len)
-    if compile_mode(cfg):
-        model.compile(backend=cfg.train.compile_backend)
+    compile_model(model, cfg)
     optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
     opt, sched = build_optimizer(model, optim_cfg, total_steps=warmup + steps)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
@@ -182,8 +182,26 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int) -> Row:
         model.update_router_biases()
 
     seconds = timed(step, warmup, steps, device)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    return Row(variant, "bare", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
+    row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device))
+    if profile:
+        print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
+              flush=True)
+    return row
+
+
+def profile_table(step, n: int, device: torch.device, rows: int = 30) -> str:
+    """torch.profiler over n calls of step(): the ops with the most time on the device (the CPU when there is
+    no GPU), self time, as torch's key_averages table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int) -> Row:
@@ -272,12 +290,14 @@ def main(argv=None) -> str:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--variants", default="", help="override sets, comma-separated, each space-separated")
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each bare row, profile N more steps and print the ops with the most device time")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at the first variant's shape")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
     args = p.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.profile < 0:
+        p.error("--warmup and --steps must be >= 1, --profile >= 0")
     paths = args.paths.split(",")
     if not paths or set(paths) - {"bare", "trainer"}:
         p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
@@ -292,7 +312,7 @@ def main(argv=None) -> str:
             for path in paths:
                 torch._dynamo.reset()
                 if path == "bare":
-                    rows.append(bare_row(variant, compose_config(overrides), args.warmup, args.steps))
+                    rows.append(bare_row(variant, compose_config(overrides), args.warmup, args.steps, args.profile))
                 else:
                     rows.append(trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i))
                 print(f"  {variant or '(overrides only)'} / {path}: {rows[-1].tokens_per_s:,.0f} tokens/s", flush=True)

@@ -258,12 +258,16 @@ class TrainConfig:
     ckpt_every: int = 50         # 0: only the checkpoint at the end
     compile: Optional[bool] = None   # null: on for GPUs, off for the CPU
     compile_backend: str = "inductor"
+    activation_memory_budget: float = 1.0  # compiled models: the fraction of activation memory the backward may keep
     overfit_batches: int = 0     # >0: train (and validate) on that many fixed batches (debug=overfit)
     preempt_signal: Optional[str] = "USR2"  # save at the next logging step and stop (k3lab/preempt.py)
 
     def check(self) -> "TrainConfig":
         check_at_least("train", self, 1, "val_every", "log_every")
         check_at_least("train", self, 0, "ckpt_every", "val_batches", "overfit_batches")
+        if not 0 < self.activation_memory_budget <= 1:
+            raise ConfigError(f"train.activation_memory_budget={self.activation_memory_budget} must be in (0, 1]: "
+                              "1 keeps what the compiler would, smaller recomputes more in the backward")
         return self
 
 
@@ -389,11 +393,30 @@ def check_config(cfg: DictConfig) -> None:
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
     check_option("optim", typed(OptimConfig, cfg.optim).name)
     typed(TrainerConfig, cfg.trainer).check()
+    compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()
     if logger.wandb is not None:
         require_package("logger=wandb", "wandb", extra="wandb")
     if logger.tensorboard is not None:
         require_package("logger=tensorboard", "tensorboard", "tensorboardX", extra="tensorboard")
+
+
+def compile_mode(cfg: DictConfig) -> bool:
+    """Whether the model is compiled, from train.compile: null means on for GPUs and off for the CPU (where
+    compiling a small model costs more than it saves); true and false are passed through. The model is
+    compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
+    parameter names, state dicts and checkpoints are those of the eager model. A train.activation_memory_budget
+    below 1 needs a compiled model (k3lab.train.compile_model)."""
+    mode = cfg.train.get("compile")
+    if mode not in (None, True, False):
+        raise ConfigError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
+    compiled = cfg.trainer.accelerator != "cpu" if mode is None else mode
+    budget = cfg.train.get("activation_memory_budget", 1.0)
+    if budget != 1.0 and not compiled:
+        raise ConfigError(f"train.activation_memory_budget={budget} acts on compiled models only, and train.compile="
+                          f"{mode} does not compile on trainer.accelerator={cfg.trainer.accelerator} "
+                          "(set train.compile=true)")
+    return compiled
 
 
 def require_package(what: str, *modules: str, extra: str) -> None:

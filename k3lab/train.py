@@ -29,13 +29,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch._functorch.config
+from torch import nn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from k3lab.budget import run_length
-from k3lab.config import DataConfig, LoggerConfig, OptimConfig, TrainerConfig, check_config, model_config, typed
+from k3lab.config import (DataConfig, LoggerConfig, OptimConfig, TrainConfig, TrainerConfig, check_config, compile_mode,
+                          model_config, typed)
 from k3lab.data import K3DataModule
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
@@ -95,8 +98,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
             datamodule.setup("fit")
 
         model = K3Model(model_config(cfg, datamodule.vocab_size))
-        if compile_mode(cfg):
-            model.compile(backend=cfg.train.compile_backend)
+        compile_model(model, cfg)
         tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
         fpt = flops_per_token(model, data_cfg.seq_len)
         counts = model.param_counts()
@@ -175,17 +177,16 @@ def deterministic_mode(tc: DictConfig) -> bool | str:
     return tc.accelerator == "cpu" if mode is None else mode
 
 
-def compile_mode(cfg: DictConfig) -> bool:
-    """Whether the model is compiled, from train.compile: null means on for GPUs and off for the CPU (where
-    compiling a small model costs more than it saves); true and false are passed through. The model is
-    compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
-    parameter names, state dicts and checkpoints are those of the eager model."""
-    mode = cfg.train.get("compile")
-    if mode is None:
-        return cfg.trainer.accelerator != "cpu"
-    if mode not in (True, False):
-        raise ConfigError(f"train.compile={mode!r} is not an option; valid options: null, true, false")
-    return mode
+def compile_model(model: nn.Module, cfg: DictConfig) -> None:
+    """model.compile() when compile_mode(cfg) says so, with train.activation_memory_budget handed to the
+    partitioner that splits each compiled graph into forward and backward (torch._functorch.config, a
+    process-wide setting read when a graph is first compiled): at 1 the backward keeps what the min-cut
+    partitioner would; below 1 it recomputes the ops cheapest by FLOPs until the saved activations fit
+    that share."""
+    if not compile_mode(cfg):
+        return
+    torch._functorch.config.activation_memory_budget = typed(TrainConfig, cfg.train).activation_memory_budget
+    model.compile(backend=cfg.train.compile_backend)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,

@@ -43,8 +43,8 @@ def composed(*overrides: str):
     (["resume={tmp}/nope"], "resume={tmp}/nope: no checkpoint at {tmp}/nope/checkpoints/last.ckpt"),
     (["train.log_every=0"], "train.log_every=0 must be >= 1"),
     (["train.val_every=abc"], "train.val_every='abc' is not an integer"),
-    (["+train.foo=1"], "train.foo is not a key; the keys of train: ckpt_every, compile, compile_backend, "
-                       "default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
+    (["+train.foo=1"], "train.foo is not a key; the keys of train: activation_memory_budget, ckpt_every, compile, "
+                       "compile_backend, default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
                        "tokens_per_param, val_batches, val_every"),
 ])
 def test_a_user_error_is_one_line_exit_2_and_writes_nothing(tmp_path, args, line):

@@ -347,6 +347,61 @@ def test_train_compile_rejects_other_values():
         compile_mode(cfg)
 
 
+def test_activation_memory_budget_needs_a_compiled_model():
+    from k3lab.config import check_config
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["train.activation_memory_budget=0.5"])
+        zero = compose("config", overrides=["train.activation_memory_budget=0", "train.compile=true"])
+    with pytest.raises(ValueError, match=r"train.activation_memory_budget=0.5 acts on compiled models only"):
+        check_config(cfg)
+    with pytest.raises(ValueError, match=r"train.activation_memory_budget=0.0 must be in \(0, 1\]"):
+        check_config(zero)
+
+
+def test_activation_memory_budget_keeps_fewer_activations_and_the_same_gradients(monkeypatch):
+    """A compiled module under a small budget keeps fewer activation bytes for its backward than under the
+    default, with the same output and gradients: the partitioner recomputes instead of saving."""
+    import torch._functorch.config
+    from torch import nn
+    from torch.nn.functional import gelu, silu
+
+    from k3lab.train import compile_model
+
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)  # restored afterwards
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 1)
+
+        def forward(self, x):
+            return self.c(silu(self.b(gelu(self.a(x)))))
+
+    def run(budget):
+        torch.manual_seed(0)
+        net = Net()
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["train.compile=true", f"train.activation_memory_budget={budget}"])
+        compile_model(net, cfg)
+        y = net(torch.randn(512, 64)).square().mean()
+        node = y.grad_fn
+        while "CompiledFunction" not in type(node).__name__:
+            node = node.next_functions[0][0]
+        params = {p.data_ptr() for p in net.parameters()}
+        kept = sum(t.numel() * t.element_size() for t in node.saved_tensors if t.data_ptr() not in params)
+        y.backward()
+        torch._dynamo.reset()
+        return kept, y.detach(), [p.grad for p in net.parameters()]
+
+    full, y_full, g_full = run(1.0)
+    small, y_small, g_small = run(0.05)
+    assert small < 0.5 * full
+    torch.testing.assert_close(y_small, y_full)
+    for a, b in zip(g_small, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_resume_of_missing_directory_names_the_path(tmp_path):
     proc = run_cli([f"resume={tmp_path / 'nope'}"])
     out = proc.communicate(timeout=120)[0]
