@@ -147,10 +147,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def git_revision() -> str | None:
+    """The commit of the code that runs: $K3LAB_GIT_REV when set (a copy of the tree without its git
+    history, e.g. on a remote machine, is told its commit), else `git rev-parse --short HEAD`, with
+    "-dirty" when tracked files differ from it; None outside a git checkout."""
+    if os.environ.get("K3LAB_GIT_REV"):
+        return os.environ["K3LAB_GIT_REV"]
+    git = ["git", "-C", str(Path(__file__).parent)]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or None
+        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        if not rev.stdout.strip():
+            return None
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
         return None
 

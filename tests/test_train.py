@@ -468,3 +468,16 @@ def test_compiled_run_follows_the_eager_curve_and_its_checkpoint_loads_eagerly(c
     with torch.no_grad():
         losses = [m(tokens[:, :-1], tokens[:, 1:]).mean for m in models.values()]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_git_revision_is_the_checkout_or_what_the_environment_says(monkeypatch):
+    """A run records its commit: the checkout's short hash (with -dirty when tracked files changed), or
+    $K3LAB_GIT_REV for a copy of the tree whose own git history is not the code's."""
+    import re
+
+    from k3lab.rundir import git_revision
+
+    monkeypatch.delenv("K3LAB_GIT_REV", raising=False)
+    assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", git_revision())
+    monkeypatch.setenv("K3LAB_GIT_REV", "0123abc")
+    assert git_revision() == "0123abc"
