@@ -260,6 +260,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
             callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
             enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
             deterministic=deterministic_mode(tc),
+            # FSDP2's all-gathered parameters cannot be inference tensors (on CUDA its unshard reads their
+            # version counter), so sharded runs validate under no_grad instead of inference_mode
+            inference_mode=tc.strategy != "fsdp",
         )
     except MisconfigurationException as err:  # Lightning's own check of the trainer settings
         raise ConfigError(f"trainer: {err}") from err

@@ -481,3 +481,15 @@ def test_git_revision_is_the_checkout_or_what_the_environment_says(monkeypatch):
     assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", git_revision())
     monkeypatch.setenv("K3LAB_GIT_REV", "0123abc")
     assert git_revision() == "0123abc"
+
+
+@pytest.mark.parametrize("trainer, inference", [("cpu", True), ("fsdp", False)])
+def test_sharded_runs_validate_without_inference_mode(tmp_path, trainer, inference):
+    """FSDP2 cannot unshard into inference tensors on CUDA, so trainer=fsdp validates under no_grad."""
+    from k3lab.train import build_trainer
+
+    cpu = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"] if trainer == "fsdp" else []
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"trainer={trainer}", *cpu])
+    built = build_trainer(cfg, tmp_path, loggers=[], n_val_batches=1, max_steps=4)
+    assert built.validate_loop.inference_mode is inference
