@@ -16,6 +16,7 @@ from k3lab.config import OptimConfig
 from k3lab.model.tags import tag
 from k3lab.optim import (Muon, build_optimizer, lightning_optimizers, lr_lambda, newton_schulz,
                          orthogonal_update, param_groups, split_params)
+from k3lab.optim import muon as muon_module
 from k3lab.switches import SWITCHES
 
 RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
@@ -116,6 +117,29 @@ def test_newton_schulz_square_bulk_in_band():
     assert inside > 0.9 and s.max() < 1.25
 
 
+def newton_schulz_formula(g, steps=5, eps=1e-7, dtype=torch.float32):
+    """The iteration as first written, X <- aX + (bA + cA@A) @ X with A = X X^T, eight kernels a step."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.float()
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.mT if tall else x
+
+
+@pytest.mark.parametrize("shape", [(32, 128), (128, 32), (5, 24, 40), (5, 40, 24), (2, 3, 16, 20), (48, 48)])
+def test_newton_schulz_baddbmm_equals_the_formula(shape):
+    """Folding the sums into baddbmm changes only fp32 rounding (bf16 rounds fewer intermediates now)."""
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    got = newton_schulz(g, dtype=torch.float32)
+    assert got.shape == g.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, newton_schulz_formula(g), rtol=0, atol=5e-6)  # measured <= 1.5e-6
+
+
 # --------------------------------------------------------------------------- the Muon update
 
 @pytest.mark.parametrize("shape", [(32, 128), (128, 32), (64, 64)])
@@ -199,6 +223,174 @@ def test_adamw_groups_match_torch_adamw():
         ours.step()
         ref.step()
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def mixed_muon_params(seed=0):
+    """Wide and tall 2-D weights, 3-D expert stacks, head-blocked projections: some share a bucket
+    ([16, 48]: a 2-D weight, 2 experts, 2 heads of a [32, 48] projection), some are alone."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [((16, 48), 0), ((48, 16), 0), ((2, 16, 48), 0), ((32, 48), 2), ((3, 24, 10), 0), ((24, 10), 0),
+              ((64, 16), 4), ((16, 48), 0), ((40, 24), 0)]
+    return [(nn.Parameter(torch.randn(*shape, generator=gen)), heads) for shape, heads in shapes]
+
+
+def reference_muon_step(params, heads, bufs, lr, wd, beta, nesterov, ns_dtype=torch.float32):
+    """The per-parameter loop: momentum, Nesterov, `orthogonal_update`, decay, update, one tensor at a time."""
+    with torch.no_grad():
+        for p, h, m in zip(params, heads, bufs):
+            g = p.grad
+            m.mul_(beta).add_(g)
+            u = g.add(m, alpha=beta) if nesterov else m
+            update = orthogonal_update(u, h, 5, ns_dtype)
+            p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("bucket_numel", [muon_module.BUCKET_NUMEL, 2000])  # 2000: buckets split
+def test_batched_step_equals_the_per_parameter_loop(nesterov, bucket_numel, monkeypatch):
+    monkeypatch.setattr(muon_module, "BUCKET_NUMEL", bucket_numel)
+    pairs = mixed_muon_params()
+    params, heads = [p for p, _ in pairs], [h for _, h in pairs]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon([dict(params=params, use_muon=True, head_blocks=heads, per_head=True, ns_dtype="fp32", lr=0.05,
+                     weight_decay=0.1, momentum=0.9, nesterov=nesterov)])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        reference_muon_step(ref, heads, bufs, 0.05, 0.1, 0.9, nesterov)
+    for p, q, m in zip(params, ref, bufs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+        assert set(opt.state[p]) == {"momentum_buffer"}  # no state beyond the momentum
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], m, rtol=0, atol=0)
+
+
+def test_one_newton_schulz_per_bucket(monkeypatch):
+    """The step batches across parameters: one Newton-Schulz per (rows, cols) of matrix, whatever the
+    parameters they come from; a parameter without a gradient is left out, as by the loop."""
+    calls = []
+
+    def counted(g, *args, **kw):
+        calls.append(tuple(g.shape))
+        return newton_schulz(g, *args, **kw)
+
+    monkeypatch.setattr(muon_module, "newton_schulz", counted)
+    pairs = mixed_muon_params()
+    params = [p for p, _ in pairs]
+    opt = Muon([dict(params=params, use_muon=True, head_blocks=[h for _, h in pairs], per_head=True)])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[-1].grad = None  # skipped, as in the loop
+    opt.step()
+    assert sorted(calls) == sorted([(6, 16, 48), (1, 48, 16), (4, 24, 10), (4, 16, 16)])
+    assert params[-1] not in opt.state
+
+
+def test_toy_model_step_equals_the_per_parameter_loop():
+    """The real grouping (param_groups, head_blocks tags) on the toy model, Muon and AdamW groups, fp32 NS:
+    equal to the per-parameter Muon loop beside torch.optim.AdamW."""
+    model, ref = seeded_toy(), seeded_toy()
+    cfg = OptimConfig(ns_dtype="fp32")
+    opt = Muon(param_groups(model, cfg))
+    muon = next(g for g in opt.param_groups if g["use_muon"])
+    assert sum(h > 0 for h in muon["head_blocks"]) == 3 and any(p.ndim == 3 for p in muon["params"])
+    ref_groups = param_groups(ref, cfg)
+    ref_muon = next(g for g in ref_groups if g["use_muon"])
+    bufs = [torch.zeros_like(p) for p in ref_muon["params"]]
+    ref_adam = torch.optim.AdamW([dict(params=g["params"], lr=g["lr"], weight_decay=g["weight_decay"])
+                                  for g in ref_groups if not g["use_muon"]], betas=cfg.betas, eps=cfg.eps)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, toy_batch(seed=step)).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_adam.step()
+        reference_muon_step(ref_muon["params"], ref_muon["head_blocks"], bufs, muon["lr"], muon["weight_decay"],
+                            muon["momentum"], muon["nesterov"])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+
+
+def test_adamw_groups_match_torch_adamw_over_groups_and_steps():
+    """Several tensors in two groups (one without decay), a gradient missing at one step: equal to
+    torch.optim.AdamW, parameters and state (step, exp_avg, exp_avg_sq)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(6, 5), (7,), (3, 4, 2), (1,)]
+    ours_p = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref_p = [nn.Parameter(p.detach().clone()) for p in ours_p]
+    groups = lambda ps: [dict(params=ps[:2], weight_decay=0.1), dict(params=ps[2:], weight_decay=0.0)]  # noqa: E731
+    ours = Muon([dict(g, use_muon=False, lr=1e-2, betas=(0.9, 0.95), eps=1e-8) for g in groups(ours_p)])
+    ref = torch.optim.AdamW(groups(ref_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(6):
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            g = None if (step == 2 and i == 1) else torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g, None if g is None else g.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[a][key], ref.state[b][key], rtol=1e-6, atol=1e-7)
+    assert ours.state[ours_p[1]]["step"] == 5 and ours.state[ours_p[0]]["step"] == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's fused AdamW)")
+def test_cuda_adamw_is_torch_fused_and_resumes_from_a_cpu_step():
+    """Plain CUDA tensors take torch's fused AdamW (step on the device); a state dict whose step tensors
+    lie on the CPU (written before the fused path) resumes the same run."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = [torch.randn(s, generator=gen) for s in [(64, 32), (32,)]]
+    grads = [[torch.randn(p.shape, generator=gen).cuda() for p in p0] for _ in range(5)]
+
+    def make(ps):
+        return Muon([dict(params=ps, use_muon=False, lr=1e-2, weight_decay=0.1)])
+
+    ours_p, ref_p = [nn.Parameter(p.cuda()) for p in p0], [nn.Parameter(p.cuda()) for p in p0]
+    ours, ref = make(ours_p), torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+    for gs in grads[:3]:
+        for a, b, g in zip(ours_p, ref_p, gs):
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert all(ours.state[p]["step"].is_cuda for p in ours_p)
+    saved = copy.deepcopy(ours.state_dict())
+    for st in saved["state"].values():
+        st["step"] = st["step"].cpu()
+    resumed_p = [nn.Parameter(p.detach().clone()) for p in ours_p]
+    resumed = make(resumed_p)
+    resumed.load_state_dict(saved)
+    for gs in grads[3:]:
+        for a, b, c, g in zip(ours_p, ref_p, resumed_p, gs):
+            a.grad, b.grad, c.grad = g.clone(), g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        resumed.step()
+    for a, b, c in zip(ours_p, ref_p, resumed_p):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_step_equals_the_per_parameter_loop():
+    pairs = mixed_muon_params()
+    params = [nn.Parameter(p.detach().cuda()) for p, _ in pairs]
+    heads = [h for _, h in pairs]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon([dict(params=params, use_muon=True, head_blocks=heads, per_head=True, ns_dtype="fp32", lr=0.05,
+                     weight_decay=0.1, momentum=0.9)])
+    for _ in range(2):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        reference_muon_step(ref, heads, bufs, 0.05, 0.1, 0.9, True)
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- the parameter split
@@ -357,7 +549,8 @@ def test_same_grads_give_bitwise_same_update():
         assert torch.equal(pa, pb)
 
 
-def test_state_dict_resume_is_exact():
+@pytest.mark.parametrize("name", ["muon_per_head", "adamw"])
+def test_state_dict_resume_is_exact(name):
     def run(steps, model, opt, sched, start=0):
         for step in range(start, start + steps):
             opt.zero_grad()
@@ -366,7 +559,7 @@ def test_state_dict_resume_is_exact():
             sched.step()
 
     ref, resumed = seeded_toy(), copy.deepcopy(seeded_toy())  # tags live on modules: a deep copy keeps them
-    cfg = OptimConfig(warmup_steps=3)
+    cfg = OptimConfig(name=name, warmup_steps=3)
     opt, sched = build_optimizer(ref, cfg, total_steps=20)
     run(10, ref, opt, sched)
     saved = (copy.deepcopy(ref.state_dict()), copy.deepcopy(opt.state_dict()), sched.state_dict())

@@ -21,8 +21,15 @@ Which matrix is orthogonalised:
   projection gets its own orthogonal update instead of sharing one spectrum with the other heads.
   With ``per_head=False`` the entry is ignored.
 
-Groups with ``use_muon=False`` are stepped with AdamW (decoupled weight decay, bias correction; the
-same arithmetic as torch.optim.AdamW), so one optimizer and one LR scheduler drive the whole model.
+Groups with ``use_muon=False`` are stepped with AdamW (decoupled weight decay p *= 1 - lr*wd, bias
+correction): torch.optim.AdamW's own code, through its functional form (`_adamw_step`), so one optimizer
+and one LR scheduler drive the whole model.
+
+Batching: for plain tensors the Muon step loops over buckets of same-shaped matrices, not over parameters.
+Momentum, Nesterov and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise
+(each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked and
+orthogonalised by one batched `newton_schulz` (at most BUCKET_NUMEL elements a batch), its slices added back
+to their parameters: per matrix the arithmetic of `orthogonal_update`.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -37,7 +44,8 @@ u, as one device would, and applies the rows of its own shard (a Replicate -> Sh
 is local slicing). This is Moonlight's Distributed Muon (arXiv:2502.16982: gather each matrix from its
 data-parallel shards, orthogonalise it whole, keep the local partition): the update is bit for bit the
 one-device update of the same momentum, at the price of one all-gather per Muon matrix per step and of
-every rank computing every Newton-Schulz. The AdamW groups are elementwise and run on the shards unchanged.
+every rank computing every Newton-Schulz. Sharded parameters keep this per-parameter path (no buckets).
+The AdamW groups are elementwise and run on the shards unchanged.
 """
 from __future__ import annotations
 
@@ -46,10 +54,12 @@ import math
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
+from torch.optim.adamw import adamw
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2  # Moonlight's update-RMS target
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+BUCKET_NUMEL = 2**28  # elements per batched Newton-Schulz (1 GiB in fp32): bounds the step's transient memory
 
 
 @torch.no_grad()
@@ -61,21 +71,48 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dty
     would turn a last-bit difference of g into an update difference of ~1e-3) after dividing by the
     Frobenius norm (so every singular value starts <= 1), on the wide orientation (rows <= cols, so A is
     the smaller Gram matrix). The coefficients trade exactness for speed: singular values land in a band
-    around 1 (about [0.7, 1.2]) rather than exactly on it. Returns a tensor of g's shape in `dtype`.
+    around 1 (about [0.7, 1.2]) rather than exactly on it. An iteration is three batched GEMMs, the sums
+    folded into them (baddbmm: bA + cA^2, then aX + (..)X). Returns a tensor of g's shape in `dtype`.
     """
     if g.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
     a, b, c = NS_COEFFS
     x = g.float()
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
-    x = x.to(dtype)
+    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
+    x = x.reshape(-1, *x.shape[-2:])  # one batch dim, for bmm
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.mT if tall else x
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
+
+
+def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
+    """The matrices Muon orthogonalises in u, as a batch [n, rows, cols] (a view of a contiguous u):
+    a 2-D u is one matrix, or H row blocks [rows/H, cols] with head_blocks=H; a 3-D u [E, rows, cols]
+    is E matrices."""
+    if u.ndim == 3:
+        if head_blocks:
+            raise ValueError("head_blocks applies to 2-D projection weights, not to 3-D expert stacks")
+        return u
+    if u.ndim != 2:
+        raise ValueError(f"Muon takes 2-D or 3-D parameters, got shape {tuple(u.shape)}")
+    rows, cols = u.shape
+    if head_blocks and rows % head_blocks:
+        raise ValueError(f"head_blocks={head_blocks} does not divide the {rows} rows of a [{rows}, {cols}] weight")
+    blocks = head_blocks or 1
+    return u.reshape(blocks, rows // blocks, cols)
+
+
+def scaled_ortho(mats: Tensor, steps: int, ns_dtype: torch.dtype) -> Tensor:
+    """0.2*sqrt(max(rows, cols)) * NS(mats) for a batch of matrices [n, rows, cols], in mats.dtype, contiguous
+    (a layout that torch's foreach kernels take in one launch with the parameters')."""
+    scale = RMS_MATCH * math.sqrt(max(mats.size(-2), mats.size(-1)))
+    ortho = newton_schulz(mats, steps, dtype=ns_dtype)
+    return ortho.to(mats.dtype, memory_format=torch.contiguous_format).mul_(scale)
 
 
 def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: torch.dtype = torch.bfloat16
@@ -86,21 +123,7 @@ def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: 
     `sharded_orthogonal_update`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
     orthogonalised (and scaled) each on its own. Returns u.dtype.
     """
-    if u.ndim == 3:
-        if head_blocks:
-            raise ValueError("head_blocks applies to 2-D projection weights, not to 3-D expert stacks")
-        mats = u
-    elif u.ndim == 2 and head_blocks:
-        rows, cols = u.shape
-        if rows % head_blocks:
-            raise ValueError(f"head_blocks={head_blocks} does not divide the {rows} rows of a [{rows}, {cols}] weight")
-        mats = u.reshape(head_blocks, rows // head_blocks, cols)
-    elif u.ndim == 2:
-        mats = u
-    else:
-        raise ValueError(f"Muon takes 2-D or 3-D parameters, got shape {tuple(u.shape)}")
-    scale = RMS_MATCH * math.sqrt(max(mats.size(-2), mats.size(-1)))
-    return (newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype) * scale).reshape(u.shape)
+    return scaled_ortho(as_matrices(u, head_blocks), steps, ns_dtype).reshape(u.shape)
 
 
 def sharded_orthogonal_update(u: DTensor, head_blocks: int | None, steps: int,
@@ -112,6 +135,23 @@ def sharded_orthogonal_update(u: DTensor, head_blocks: int | None, steps: int,
     full = orthogonal_update(u.full_tensor(), head_blocks, steps, ns_dtype)
     replicated = DTensor.from_local(full, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
     return replicated.redistribute(u.device_mesh, u.placements)
+
+
+def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Tensor]]]:
+    """The matrices of every u (`as_matrices`), bucketed by (rows, cols, dtype, device) for one batched
+    Newton-Schulz each: lists of (index into us, [n, rows, cols]); a bucket over BUCKET_NUMEL elements
+    is split between whole tensors."""
+    open_, done = {}, []
+    for i, (u, heads) in enumerate(zip(us, head_blocks)):
+        mats = as_matrices(u, heads)
+        key = (*mats.shape[1:], mats.dtype, mats.device)
+        bucket, numel = open_.get(key, ([], 0))
+        if bucket and numel + mats.numel() > BUCKET_NUMEL:
+            done.append(bucket)
+            bucket, numel = [], 0
+        bucket.append((i, mats))
+        open_[key] = bucket, numel + mats.numel()
+    return done + [bucket for bucket, _ in open_.values()]
 
 
 class Muon(torch.optim.Optimizer):
@@ -162,41 +202,70 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        plain, sharded = [], []
         for p, heads in zip(group["params"], group["head_blocks"]):
             if p.grad is None:
                 continue
-            g = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            m = state["momentum_buffer"]
-            m.mul_(beta).add_(g)
-            u = g.add(m, alpha=beta) if group["nesterov"] else m
-            ortho = sharded_orthogonal_update if isinstance(u, DTensor) else orthogonal_update
-            update = ortho(u, heads if group["per_head"] else None, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
-            p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr)
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            (sharded if isinstance(p, DTensor) else plain).append((p, heads if group["per_head"] else 0))
+        for p, heads in sharded:
+            self._sharded_muon_step(group, p, heads)
+        if plain:
+            self._batched_muon_step(group, plain)
+
+    def _sharded_muon_step(self, group: dict, p: DTensor, heads: int) -> None:
+        """One DTensor parameter: momentum on the shards, Newton-Schulz on the gathered whole."""
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        g, m = p.grad, self.state[p]["momentum_buffer"]
+        m.mul_(beta).add_(g)
+        u = g.add(m, alpha=beta) if group["nesterov"] else m
+        update = sharded_orthogonal_update(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr)
+
+    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
+        """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
+        bucket (`buckets`). Transient memory: the group's Nesterov directions, and one bucket's stack with
+        its Newton-Schulz intermediates at a time."""
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        params, heads = [p for p, _ in pairs], [h for _, h in pairs]
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, beta)
+        torch._foreach_add_(bufs, grads)
+        us = torch._foreach_add(grads, bufs, alpha=beta) if group["nesterov"] else bufs
+        torch._foreach_mul_(params, 1 - lr * wd)
+        ns_dtype = NS_DTYPES[group["ns_dtype"]]
+        for bucket in buckets(us, heads):
+            update = scaled_ortho(torch.cat([mats for _, mats in bucket]), group["ns_steps"], ns_dtype)
+            pieces = list(update.split([mats.size(0) for _, mats in bucket]))
+            torch._foreach_add_([params[i].view(mats.shape) for i, mats in bucket], pieces, alpha=-lr)
 
     def _adamw_step(self, group: dict) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
+        """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:
+        it is maintained and tested upstream, and fused: with every parameter a plain CUDA tensor, one
+        kernel for the whole group instead of ~8 per tensor; otherwise torch's default (foreach on CUDA
+        DTensor shards, single-tensor on the CPU). State as AdamW's: step (a float32 scalar tensor, on the
+        parameter's device for fused and on the CPU otherwise, moved there if a checkpoint put it elsewhere),
+        exp_avg, exp_avg_sq."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        fused = all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            t = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            bias1 = 1 - beta1 ** t
-            bias2 = 1 - beta2 ** t
-            denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / bias1)
+            step_device = p.device if fused else torch.device("cpu")
+            if state["step"].device != step_device:
+                state["step"] = state["step"].to(step_device, torch.float32)
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        adamw(
+            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [], [s["step"] for s in states], fused=True if fused else None, amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=False)
