@@ -9,6 +9,7 @@ Per head h, with state S_t [K, V] (Kimi Linear, arXiv:2510.26692, eq. 1):
     z = W_f2 W_f1 x (low rank, rank K); dt_bias [H*K] = softplus^-1(logU[1e-3, 1e-1]) in both maps, so both
     start with slow decay (sigmoid: g in [-0.47, -0.005]); beta_t = sigmoid(W_b x) per head.
 q, k, v pass a causal depthwise conv (size 4) and SiLU; q and k are L2-normalised per head.
+The conv is `kernels.short_conv`: fused Triton on [B, T, C] (triton; auto on CUDA), else nn.Conv1d's torch ops.
 Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
 The q/k L2 norm, the decay map, beta's sigmoid and the sequence mixing are one call,
 `kernels.kda.kda_gated`: on the Triton backend the fused entry whose kernels do all of it (the one the
@@ -20,7 +21,6 @@ import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -28,6 +28,7 @@ from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
 from k3lab.model.tags import tag
 from kernels.kda import kda, kda_gated, log_decay
+from kernels.short_conv import short_conv
 
 
 def _uniform_log(p: torch.Tensor, gen: torch.Generator, low: float, high: float) -> torch.Tensor:
@@ -42,15 +43,17 @@ def _inverse_softplus_log_uniform(p: torch.Tensor, gen: torch.Generator, low: fl
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise conv over time followed by SiLU. x [B, T, C] -> [B, T, C]."""
+    """Causal depthwise conv over time followed by SiLU. x [B, T, C] -> [B, T, C]. The weight stays an
+    nn.Conv1d's ([C, 1, size], the parameter name `conv.weight`); `backend` is kernels.backend
+    (`kernels.short_conv.short_conv`)."""
 
-    def __init__(self, channels: int, size: int):
+    def __init__(self, channels: int, size: int, backend: str = "auto"):
         super().__init__()
         self.conv = nn.Conv1d(channels, channels, size, groups=channels, padding=size - 1, bias=False)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
-        return F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
+        return short_conv(x, self.conv.weight[:, 0, :], self.backend)
 
 
 class KDA(nn.Module):
@@ -68,7 +71,8 @@ class KDA(nn.Module):
         self.v_proj = nn.Linear(D, H * K, bias=False)
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             tag(proj, "weight", head_blocks=H)  # per-head Muon (K3 §2.5) splits these rows by head
-        self.q_conv, self.k_conv, self.v_conv = (ShortConv(H * K, cfg.conv_size) for _ in range(3))
+        self.q_conv, self.k_conv, self.v_conv = (ShortConv(H * K, cfg.conv_size, self.backend)
+                                                  for _ in range(3))
         self.f_down = nn.Linear(D, K, bias=False)
         self.f_up = nn.Linear(K, H * K, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
