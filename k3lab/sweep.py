@@ -14,8 +14,9 @@ DevicePerJob: under hydra/launcher=joblib, one GPU per parallel job. Hydra's job
 pool of `hydra.launcher.n_jobs` worker processes and sets no device; a CUDA process sees the devices of
 CUDA_VISIBLE_DEVICES as it was when CUDA started, so the device must be fixed before a worker's first job and
 kept for its later ones. Each worker therefore claims one device for its lifetime (an flock on
-<sweep dir>/.sweep/devices/<device>.lock, released when the worker exits) at the start of its first job and
-sets CUDA_VISIBLE_DEVICES to it: parallel jobs never share a GPU, whatever order the jobs finish in.
+<sweep dir>/.sweep/devices/<device>.<slot>.lock, released when the worker exits) at the start of its first
+job and sets CUDA_VISIBLE_DEVICES to it: parallel jobs never share a GPU beyond `jobs_per_device` (default
+1), whatever order the jobs finish in.
 
 Hydra turns an exception raised in a callback into a warning and carries on; a sweep that cannot run as
 configured therefore stops with SweepSetupError, a SystemExit, which Hydra lets through.
@@ -121,24 +122,28 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def claim_device(folder: Path, devices: Sequence[str]) -> str:
-    """The device this process holds in `folder`, claiming the first free one on the first call."""
+def claim_device(folder: Path, devices: Sequence[str], jobs_per_device: int = 1) -> str:
+    """The device this process holds in `folder`, claiming the first free slot on the first call: each
+    device has `jobs_per_device` slots (lock files <device>.<slot>.lock), filled one slot of every device
+    before the next, so parallel jobs spread over the devices first."""
     if folder in _CLAIMED:
         return _CLAIMED[folder][1]
     folder.mkdir(parents=True, exist_ok=True)
-    for device in devices:
-        f = open(folder / f"{device}.lock", "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            continue
-        f.truncate(0)
-        f.write(str(os.getpid()))
-        f.flush()
-        _CLAIMED[folder] = (f, device)
-        return device
-    raise SweepSetupError(f"every device of {list(devices)} is held by another job of this sweep ({folder})")
+    for slot in range(jobs_per_device):
+        for device in devices:
+            f = open(folder / f"{device}.{slot}.lock", "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            f.truncate(0)
+            f.write(str(os.getpid()))
+            f.flush()
+            _CLAIMED[folder] = (f, device)
+            return device
+    raise SweepSetupError(f"every slot of the devices {list(devices)} ({jobs_per_device} per device) is held by "
+                          f"another job of this sweep ({folder})")
 
 
 class DevicePerJob(Callback):
@@ -146,10 +151,16 @@ class DevicePerJob(Callback):
     themselves (submitit: gpus_per_node) or run one job at a time, and are left alone.
 
     devices: the GPUs to share out, a list or a comma-separated string; null: those the launching process
-    sees. hydra.launcher.n_jobs must not exceed their number. With no GPU (a CPU machine), nothing is set."""
+    sees. jobs_per_device: how many parallel jobs one GPU takes (small models that leave a GPU idle: a
+    study's ladder on one GPU). hydra.launcher.n_jobs must not exceed devices x jobs_per_device. With no GPU
+    (a CPU machine), nothing is set."""
 
-    def __init__(self, devices: Sequence[Any] | str | None = None) -> None:
+    def __init__(self, devices: Sequence[Any] | str | None = None, jobs_per_device: int = 1) -> None:
+        if not isinstance(jobs_per_device, int) or jobs_per_device < 1:
+            raise SweepSetupError(f"hydra.callbacks.device_per_job.jobs_per_device={jobs_per_device!r} must be "
+                                  "an integer >= 1")
         self.devices = devices
+        self.jobs_per_device = jobs_per_device
         self.share: list[str] = []   # the devices jobs claim from; empty: leave CUDA_VISIBLE_DEVICES alone
         self.claims: Path | None = None
 
@@ -167,13 +178,15 @@ class DevicePerJob(Callback):
         from joblib import effective_n_jobs
 
         n_jobs = effective_n_jobs(config.hydra.launcher.n_jobs)
-        if n_jobs > len(share):
+        slots = len(share) * self.jobs_per_device
+        if n_jobs > slots:
             raise SweepSetupError(f"hydra.launcher.n_jobs={config.hydra.launcher.n_jobs} runs {n_jobs} jobs at once "
-                                  f"but there are {len(share)} GPUs ({','.join(share)}) and each job takes one: "
-                                  f"pass hydra.launcher.n_jobs={len(share)} (or fewer)")
+                                  f"but there are {len(share)} GPUs ({','.join(share)}) taking "
+                                  f"hydra.callbacks.device_per_job.jobs_per_device={self.jobs_per_device} job(s) "
+                                  f"each: pass hydra.launcher.n_jobs={slots} (or fewer), or more jobs_per_device")
         self.share = share
         self.claims = Path(str(config.hydra.sweep.dir)).resolve() / ".sweep" / "devices"
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.share:
-            os.environ["CUDA_VISIBLE_DEVICES"] = claim_device(self.claims, self.share)
+            os.environ["CUDA_VISIBLE_DEVICES"] = claim_device(self.claims, self.share, self.jobs_per_device)

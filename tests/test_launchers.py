@@ -189,3 +189,34 @@ def test_joblib_with_more_parallel_jobs_than_devices_stops_before_any_run(corpus
     assert sweep.returncode != 0
     assert "hydra.launcher.n_jobs=3 runs 3 jobs at once but there are 2 GPUs (0,1)" in log, log
     assert not list(tmp_path.glob("*/*/summary.json"))
+
+
+def _claim_and_hold(folder, jobs_per_device, results, release):
+    from k3lab.sweep import SweepSetupError, claim_device
+
+    try:
+        results.put(claim_device(folder, ["0", "1"], jobs_per_device))
+    except SweepSetupError as err:
+        results.put(f"error: {err}")
+    release.wait(60)
+
+
+def test_jobs_per_device_lets_that_many_workers_share_each_gpu(tmp_path):
+    """With jobs_per_device=2, four worker processes claim two slots of each of two GPUs, spreading over
+    the GPUs first; a fifth finds no slot free."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    results, release = ctx.Queue(), ctx.Event()
+    workers = []
+    claimed = []
+    for _ in range(5):
+        worker = ctx.Process(target=_claim_and_hold, args=(tmp_path / "devices", 2, results, release))
+        worker.start()
+        workers.append(worker)
+        claimed.append(results.get(timeout=60))  # one at a time: the order of the claims is the order here
+    release.set()
+    for worker in workers:
+        worker.join(60)
+    assert claimed[:4] == ["0", "1", "0", "1"], claimed
+    assert claimed[4].startswith("error: every slot of the devices ['0', '1'] (2 per device) is held"), claimed
