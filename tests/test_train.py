@@ -98,7 +98,13 @@ def test_run_directory_contract(corpus, tmp_path):
 
 def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
     common = overrides(corpus, tmp_path, "train.max_steps=12", "train.val_every=6", "train.ckpt_every=4")
-    reference = run_inprocess([*common, "run_name=whole"])
+    # the uninterrupted run in a process like the victim's and the resumed one's (threads, global torch
+    # state): the suite's own process carries what earlier tests set, and bf16 Newton-Schulz turns a
+    # last-bit difference into ~1e-4 after a few steps
+    whole = run_cli([*common, "run_name=whole"])
+    whole_log = whole.communicate(timeout=600)[0]
+    assert whole.returncode == 0, whole_log
+    reference = json.loads((tmp_path / "default" / "whole" / "summary.json").read_text())
 
     victim = run_cli([*common, "run_name=killed"])
     ckpt = tmp_path / "default" / "killed" / "checkpoints" / "last.ckpt"
