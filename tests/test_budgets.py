@@ -4,7 +4,6 @@ follows the resolved length; two length settings are one clear error."""
 import json
 import math
 import re
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -16,19 +15,12 @@ from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
 from k3lab.train import train
 
-from test_train import ROOT, byte_args, rows, small_corpus
+from test_train import ROOT, byte_args, rows
 
 TOKENS_PER_STEP = 4 * 32  # FAST: data.batch_size=4, data.seq_len=32, one CPU process
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("K3LAB_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    return small_corpus(tmp_path / "corpus")
+pytestmark = pytest.mark.usefixtures("isolated_cache")
 
 
 def compose_run(overrides: list[str]):

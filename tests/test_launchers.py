@@ -23,17 +23,10 @@ from hydra.utils import instantiate
 from k3lab.preempt import Preempted
 from k3lab.train import train
 
-from test_train import ROOT, byte_args, rows, run_cli, small_corpus
+from test_train import ROOT, byte_args, rows, run_cli
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("K3LAB_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    return small_corpus(tmp_path / "corpus")
+pytestmark = pytest.mark.usefixtures("isolated_cache")
 
 
 def compose_run(overrides: list[str], hydra: bool = False):

@@ -1,6 +1,5 @@
 """Balancing under data parallelism: 2 CPU processes (gloo) must end with the same router bias on both
 ranks, equal to one process's bias over the pooled batch (K3: the quantile is of the global batch)."""
-import socket
 
 import torch
 import torch.distributed as dist
@@ -8,6 +7,8 @@ import torch.multiprocessing as mp
 
 from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.moe import MoE
+
+from test_fsdp import free_port
 
 BALANCES = [("qb", dict(hist_bins=0)), ("qb", dict(hist_bins=512)), ("sign", dict(gamma=0.01))]
 SPLIT = (3, 2)   # sequences per rank: unequal on purpose (the exact quantile pads the gather)
@@ -47,12 +48,6 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         torch.save(pooled_biases(x), f"{path}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_bias_equals_pooled_single_process(tmp_path):

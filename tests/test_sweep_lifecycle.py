@@ -19,9 +19,7 @@ from test_train import FAST, ROOT, run_cli, small_corpus as corpus  # noqa: F401
 TINY = [*FAST, "train.max_steps=16", "train.val_every=8", "train.ckpt_every=2", "data.tokenizer=byte"]
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("K3LAB_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("isolated_cache")
 
 
 def run_dir_of(out: Path, path: Path) -> Path:
