@@ -8,7 +8,7 @@ given ``--out PATH``. Measured tables, with command, commit, date and machine: `
   one given table against fla.
 - ``kda_ncu``: one forward+backward of the KDA kernels for Nsight Compute
   (``ncu ... python -m benchmarks.kda_ncu``).
-- ``kda_train_check``: KDA inside training, the loss curve and step time of each ``kernels.backend``.
+- ``kda_train_check``: the fused kernels inside training, the loss curve and step time of each variant (backend, compile).
 - ``attnres_bench``: residual options (standard, block and full AttnRes), step time and activation
   memory; ``--profile`` and ``--tune`` for the fused mix kernels.
 - ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop.

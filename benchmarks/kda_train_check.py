@@ -1,43 +1,47 @@
-"""The KDA kernel inside real training: same loss curve as the plain path, and the step time it buys.
+"""The fused kernels inside real training: the same loss curve as the plain path, and the step time they buy.
 
-    python -m benchmarks.kda_train_check                        # GPU: model=small, trainer=gpu, 50 steps
-    python -m benchmarks.kda_train_check --backends torch,triton,fla --seq 2048
-    python -m benchmarks.kda_train_check --backends torch,triton,triton trainer.deterministic=true
+    python -m benchmarks.kda_train_check        # GPU: model=small, trainer=gpu, 50 steps, torch vs triton backend
+    python -m benchmarks.kda_train_check --variants "kernels.backend=torch,kernels.backend=triton,kernels.backend=fla"
+    python -m benchmarks.kda_train_check --variants "kernels.backend=torch,kernels.backend=triton,kernels.backend=triton" trainer.deterministic=true
+    python -m benchmarks.kda_train_check trainer.deterministic=true \
+        --variants "kernels.backend=torch train.compile=false,kernels.backend=triton train.compile=true"
 
-Runs ``run.py`` once per entry of ``--backends`` (``kernels.backend``) with the same seed, data and
-config (everything but the backend; a backend named twice runs twice, as ``triton`` and ``triton-2``,
-which with ``trainer.deterministic=true`` shows whether the step repeats bit for bit), then compares the
-per-step training loss of each run with the first one (the plain PyTorch chunkwise path by default)
-and the median step time over the steps after ``--skip`` (kernel compilation and autotuning happen in
-the first steps). Prints a table, and writes it to ``--out PATH`` only when given.
+Runs ``run.py`` once per override set of ``--variants`` (sets separated by commas, the overrides of a set
+by spaces, as in ``benchmarks.step``) with the same seed, data and everything else; a set named twice
+runs twice, the second time labelled ``-2``, which with ``trainer.deterministic=true`` shows whether the
+step repeats bit for bit. Then compares the per-step training loss of each run with the first one (the
+plain PyTorch path by default) and the median step time over the steps after ``--skip`` (compilation
+and autotuning happen in the first steps). Prints a table, and writes it to ``--out PATH`` only when given.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.step import split_variants
 from k3lab.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(backend: str, label: str, args) -> Path:
+def train(variant: str, index: int, args) -> Path:
     out_dir = Path(args.out_dir)
-    cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}",
-           f"kernels.backend={backend}", f"train.max_steps={args.steps}", "train.log_every=1",
+    cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}", *shlex.split(variant),
+           f"train.max_steps={args.steps}", "train.log_every=1",
            f"train.val_every={args.steps}", "train.ckpt_every=0", f"data.seq_len={args.seq}",
-           f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name={label}",
+           f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name=v{index}",
            "overwrite=true", *args.overrides]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
-    print(f"  {label}: {time.perf_counter() - t0:.0f} s wall", flush=True)
-    return out_dir / "kda_train" / label
+    print(f"  {variant}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    return out_dir / "kda_train" / f"v{index}"
 
 
 def losses_step_ms_memory(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float, float]:
@@ -51,7 +55,8 @@ def losses_step_ms_memory(run_dir: Path, tokens_per_step: int, skip: int) -> tup
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kda_train_check", description=__doc__.split("\n")[0])
-    p.add_argument("--backends", default="torch,triton", help="comma-separated; the first is the reference")
+    p.add_argument("--variants", default="kernels.backend=torch,kernels.backend=triton",
+                   help="override sets, comma-separated, each space-separated; the first is the reference")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--skip", type=int, default=10, help="steps left out of the step-time median")
     p.add_argument("--model", default="small")
@@ -60,17 +65,17 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out-dir", default="runs")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
-    p.add_argument("overrides", nargs="*", help="extra run.py overrides, applied to every backend")
+    p.add_argument("overrides", nargs="*", help="extra run.py overrides, applied to every variant")
     args = p.parse_args(argv)
 
-    backends = args.backends.split(",")
-    labels = [b if b not in backends[:i] else f"{b}-{backends[:i].count(b) + 1}" for i, b in enumerate(backends)]
+    variants = split_variants(args.variants)
+    labels = [v if v not in variants[:i] else f"{v}-{variants[:i].count(v) + 1}" for i, v in enumerate(variants)]
     tokens_per_step = args.seq * args.batch
-    results = {label: losses_step_ms_memory(train(b, label, args), tokens_per_step, args.skip)
-               for b, label in zip(backends, labels)}
+    results = {label: losses_step_ms_memory(train(v, i, args), tokens_per_step, args.skip)
+               for i, (v, label) in enumerate(zip(variants, labels))}
     ref = labels[0]
     ref_loss, ref_ms, _ = results[ref]
-    lines = [f"Loss curve and step time by `kernels.backend`: model={args.model}, trainer={args.trainer}, "
+    lines = [f"Loss curve and step time by variant: model={args.model}, trainer={args.trainer}, "
              f"{args.steps} steps of {args.batch}x{args.seq} tokens, overrides {args.overrides or 'none'}.", "",
              f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss "
              f"| median step ms (steps > {args.skip}) | speed-up vs {ref} | peak memory MB |",
@@ -80,11 +85,11 @@ def main(argv=None) -> None:
         diffs = [abs(loss[s] - ref_loss[s]) for s in sorted(set(loss) & set(ref_loss))]
         lines.append(f"| {label} | {len(diffs)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
                      f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x | {peak_mb:,.0f} |")
-    for b, label in zip(backends, labels):
-        if label != b:  # a repeat: does the step repeat bit for bit?
-            first, again = results[b][0], results[label][0]
+    for v, label in zip(variants, labels):
+        if label != v:  # a repeat: does the step repeat bit for bit?
+            first, again = results[v][0], results[label][0]
             same = [s for s in first if s in again and first[s] == again[s]]
-            lines.append(f"\nRepeat {label} vs {b}: {len(same)} of {len(first)} logged losses bitwise equal, "
+            lines.append(f"\nRepeat {label} vs {v}: {len(same)} of {len(first)} logged losses bitwise equal, "
                          f"max abs diff {max(abs(first[s] - again[s]) for s in first if s in again):.2e}.")
     curve = ["", "| step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for s in sorted(set(sorted(ref_loss)[:: max(1, args.steps // 10)]) | {max(ref_loss)}):

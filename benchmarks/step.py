@@ -21,12 +21,14 @@ empty set, or none given, is the positional overrides alone). For each variant:
   logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
   checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
   speed/tokens_per_s; peak memory from summary.json.
-- with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at the shape of the
-  first variant (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
+- with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at each variant's
+  configuration (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
   where the model has MLA, through its `attn` config, which needs flash-attn: add mixer=kda for an all-KDA
-  comparison without it; safe_gate with the sigmoid decay's g_min), fused linear cross-entropy, bf16
-  weights, torch's fused AdamW, timed like the bare loop on the same batches, before the other rows (a
-  missing package fails at once); each row then shows ours/fla tokens/s.
+  comparison without it; the sigmoid decay as safe_gate with its g_min, softplus as fla's default gate;
+  block or full AttnRes as `attnres_block_size` in sublayers, as here), fused linear cross-entropy, bf16
+  weights, torch's fused AdamW, timed like the bare loop on the same batches. Variants that map to the
+  same fla model share one fla row. All fla rows run before the others (a missing package fails at
+  once); each of our rows then shows ours / fla tokens/s and peak memory against its variant's fla row.
 
 One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
 parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
@@ -221,8 +223,22 @@ def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp
                summary["flops_per_token"], summary["peak_memory_mb"])
 
 
-def fla_row(cfg: DictConfig, warmup: int, steps: int) -> Row:
-    """fla's KDAForCausalLM at this config's shape (see the module docstring), on the same batches."""
+def fla_config(cfg: DictConfig, vocab_size: int) -> dict:
+    """The KDAConfig arguments of fla's model at this config (see the module docstring)."""
+    mc: ModelConfig = model_config(cfg, vocab_size)
+    attn_layers = [i for i, kind in enumerate(mc.layer_kinds()) if kind == "mla"]
+    sigmoid = mc.decay.name == "sigmoid"
+    attnres = None if mc.residual.name == "standard" else mc.residual.sublayers_per_block(2 * mc.n_layers)
+    return dict(hidden_size=mc.width, num_hidden_layers=mc.n_layers, num_heads=mc.n_heads, head_dim=mc.head_dim,
+                vocab_size=mc.vocab_size, intermediate_size=mc.ffn_hidden, conv_size=mc.conv_size,
+                norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings, safe_gate=sigmoid,
+                lower_bound=mc.decay.g_min if sigmoid else None,
+                attn={"layers": attn_layers, "num_heads": mc.n_heads} if attn_layers else None,
+                attnres_block_size=attnres, fuse_cross_entropy=True)
+
+
+def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
+    """fla's KDAForCausalLM at this config (see the module docstring), on the same batches."""
     from fla.models import KDAConfig, KDAForCausalLM
 
     device = device_of(cfg)
@@ -230,18 +246,12 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int) -> Row:
     torch.manual_seed(cfg.seed)
     dm, batches = training_batches(cfg, warmup + steps, device)
     mc: ModelConfig = model_config(cfg, dm.vocab_size)
-    attn_layers = [i for i, kind in enumerate(mc.layer_kinds()) if kind == "mla"]
-    sigmoid = mc.decay.name == "sigmoid"
-    config = KDAConfig(hidden_size=mc.width, num_hidden_layers=mc.n_layers, num_heads=mc.n_heads,
-                       head_dim=mc.head_dim, vocab_size=mc.vocab_size, intermediate_size=mc.ffn_hidden,
-                       conv_size=mc.conv_size, norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings,
-                       safe_gate=sigmoid, lower_bound=mc.decay.g_min if sigmoid else None,
-                       attn={"layers": attn_layers, "num_heads": mc.n_heads} if attn_layers else None,
-                       fuse_cross_entropy=True)
+    config = KDAConfig(**fla_config(cfg, dm.vocab_size))
     try:
         model = KDAForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     except ImportError as err:
-        raise ImportError(f"fla's softmax-attention layers (at the MLA positions {attn_layers}) need flash-attn: "
+        raise ImportError(f"fla's softmax-attention layers (at the MLA positions {config.attn['layers']}) need "
+                          f"flash-attn: "
                           f"{err}. Add mixer=kda to compare all-KDA models without it.") from err
     embed = model.get_input_embeddings().weight
     matmul = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and p is not embed)
@@ -263,24 +273,35 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int) -> Row:
 
     seconds = timed(step, warmup, steps, device)
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    return Row("fla KDAForCausalLM", "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
+    return Row(variant, "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
 
 
 def peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
 
 
-def table(rows: list[Row], header: list[str]) -> str:
+def progress(row: Row, fla: Row | None = None) -> str:
+    """One line per finished row, so that a run stopped early still tells what it measured."""
+    vs = f" ({row.tokens_per_s / fla.tokens_per_s:.2f}x fla, {row.peak_mb / fla.peak_mb:.2f}x memory)" if fla else ""
+    return (f"{row.variant or '(overrides only)'} / {row.path}: {row.tokens_per_s:,.0f} tokens/s, "
+            f"{row.peak_mb / 1024:.2f} GiB{vs}")
+
+
+def table(rows: list[Row], header: list[str], fla_of: dict[int, Row] | None = None) -> str:
+    """The markdown table; fla_of maps id(row) to the fla row it is compared with."""
     peak = next((v for k, v in PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()),
                 None)
-    fla = next((r for r in rows if r.path == "fla"), None)
-    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB |"
-             + (" ours / fla tokens/s |" if fla else ""), "|---|---|---|---|---|---|" + ("---|" if fla else "")]
+    fla_of = fla_of or {}
+    extra = " ours / fla tokens/s | ours / fla memory |" if fla_of else ""
+    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB |" + extra,
+             "|---|---|---|---|---|---|" + ("---|---|" if fla_of else "")]
     for r in rows:
         mfu = f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-"
-        ratio = (f" {r.tokens_per_s / fla.tokens_per_s:.2f} |" if r is not fla else " 1.00 |") if fla else ""
+        ref = fla_of.get(id(r))
+        ratios = (f" {r.tokens_per_s / ref.tokens_per_s:.2f} | {r.peak_mb / ref.peak_mb:.2f} |" if ref
+                  else " | |") if fla_of else ""
         lines.append(f"| {r.variant or '(overrides only)'} | {r.path} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | "
-                     f"{mfu} | {r.peak_mb / 1024:.2f} |{ratio}")
+                     f"{mfu} | {r.peak_mb / 1024:.2f} |{ratios}")
     return "\n".join(lines) + "\n"
 
 
@@ -292,7 +313,7 @@ def main(argv=None) -> str:
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each bare row, profile N more steps and print the ops with the most device time")
-    p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at the first variant's shape")
+    p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
     args = p.parse_args(argv)
@@ -303,25 +324,36 @@ def main(argv=None) -> str:
         p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
     quiet_lightning()
     variants = split_variants(args.variants)
-    first = compose_config([*args.overrides, *shlex.split(variants[0])])
-    fla = [fla_row(first, args.warmup, args.steps)] if args.fla else []  # first: a missing package fails at once
+    configs = [compose_config([*args.overrides, *shlex.split(v)]) for v in variants]
+    first = configs[0]
+    fla_by_model: dict[str, Row] = {}   # one fla row per distinct fla model; first, so a missing package fails at once
+    fla_keys = []
+    for variant, cfg in zip(variants, configs):
+        # the vocabulary comes from the data, so the data config stands in for it in the key
+        fla_keys.append(repr((sorted(fla_config(cfg, 0).items()), cfg.data, cfg.optim)) if args.fla else None)
+        if args.fla and fla_keys[-1] not in fla_by_model:
+            fla_by_model[fla_keys[-1]] = fla_row(cfg, args.warmup, args.steps, variant)
+            print(f"  {progress(fla_by_model[fla_keys[-1]])}", flush=True)
     rows: list[Row] = []
+    fla_of: dict[int, Row] = {}
     with tempfile.TemporaryDirectory(prefix="k3lab-step-") as tmp:
-        for i, variant in enumerate(variants):
+        for i, (variant, cfg) in enumerate(zip(variants, configs)):
             overrides = [*args.overrides, *shlex.split(variant)]
             for path in paths:
                 torch._dynamo.reset()
                 if path == "bare":
-                    rows.append(bare_row(variant, compose_config(overrides), args.warmup, args.steps, args.profile))
+                    rows.append(bare_row(variant, cfg, args.warmup, args.steps, args.profile))
                 else:
                     rows.append(trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i))
-                print(f"  {variant or '(overrides only)'} / {path}: {rows[-1].tokens_per_s:,.0f} tokens/s", flush=True)
-    rows += fla
+                if args.fla:
+                    fla_of[id(rows[-1])] = fla_by_model[fla_keys[i]]
+                print(f"  {progress(rows[-1], fla_of.get(id(rows[-1])))}", flush=True)
+    rows += fla_by_model.values()
     device = torch.cuda.get_device_name() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
-    text = table(rows, header)
+    text = table(rows, header, fla_of)
     print(text, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,13 @@ class ResidualConfig:
     block_size: int = 2
     n_blocks: int = 0            # >0: block_size = ceil(n_sublayers / n_blocks), ~same block count at any depth
 
+    def sublayers_per_block(self, n_sublayers: int) -> int:
+        """Sublayers summed into one AttnRes block: 1 under full_attnres, else block_size, or
+        ceil(n_sublayers / n_blocks) when n_blocks > 0."""
+        if self.name == "full_attnres":
+            return 1
+        return math.ceil(n_sublayers / self.n_blocks) if self.n_blocks > 0 else self.block_size
+
 
 @dataclass
 class MixerConfig:
@@ -111,7 +119,7 @@ class MixerConfig:
 class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
-    checkpoint_kda: bool = False    # any backend: rerun each KDA call in the backward, keep only its inputs
+    checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
 
 

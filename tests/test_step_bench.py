@@ -1,4 +1,5 @@
-"""python -m benchmarks.step end to end on the CPU: two variants, the bare loop and the trainer, one table."""
+"""python -m benchmarks.step end to end on the CPU: two variants, the bare loop and the trainer, one table;
+and python -m benchmarks.kda_train_check's comparison of variants' loss curves."""
 import re
 from pathlib import Path
 
@@ -50,3 +51,74 @@ def test_two_variants_on_both_paths_give_one_table_and_write_only_with_out(corpu
     out = tmp_path / "table.md"
     again = main([*shape, "--warmup", "1", "--steps", "1", "--paths", "bare", "--out", str(out)])
     assert out.read_text() == again and again.count("| bare |") == 1
+
+
+def test_fla_config_follows_the_decay_and_residual_switches():
+    """fla's model takes the sigmoid decay as safe_gate with its g_min, softplus as its default gate, and
+    AttnRes blocks in sublayers as this model counts them (block_size, or n_blocks over 2 x n_layers)."""
+    from benchmarks.step import compose_config, fla_config
+
+    shape = ["model=small", "model.n_layers=12", "model.d_model=1024", "model.head_dim=128", "mixer=kda"]
+    plain = fla_config(compose_config([*shape, "decay=sigmoid", "residual=standard"]), 32768)
+    assert (plain["safe_gate"], plain["lower_bound"], plain["attnres_block_size"]) == (True, -5.0, None)
+    assert (plain["hidden_size"], plain["num_heads"], plain["head_dim"], plain["attn"]) == (1024, 8, 128, None)
+    softplus = fla_config(compose_config([*shape, "decay=softplus", "residual=standard"]), 32768)
+    assert (softplus["safe_gate"], softplus["lower_bound"]) == (False, None)
+    assert {k for k in plain if plain[k] != softplus[k]} == {"safe_gate", "lower_bound"}
+    block = fla_config(compose_config([*shape, "residual=block_attnres", "residual.block_size=4"]), 32768)
+    assert block["attnres_block_size"] == 4
+    by_count = fla_config(compose_config([*shape, "residual=block_attnres", "residual.n_blocks=6"]), 32768)
+    assert by_count["attnres_block_size"] == 4  # ceil(24 sublayers / 6 blocks)
+    assert fla_config(compose_config([*shape, "residual=full_attnres"]), 32768)["attnres_block_size"] == 1
+    hybrid = fla_config(compose_config(["model=small", "model.n_layers=8", "mixer=hybrid"]), 1024)
+    assert hybrid["attn"]["layers"] == [3, 7]
+
+
+def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_with_its_own(corpus, monkeypatch):
+    """--fla: variants that differ only where fla's model does not (train.compile) share one fla row,
+    a decay change gets its own; the ratio columns divide each row by its variant's fla row."""
+    import benchmarks.step as step
+
+    calls = []
+
+    def fake_fla_row(cfg, warmup, steps, variant=""):
+        calls.append(variant)
+        tokens_per_s = 100.0 if cfg.decay.name == "sigmoid" else 50.0
+        return step.Row(variant, "fla", tokens_per_s, 2 * 16 * 1e3 / tokens_per_s, 1.0, 1.0)
+
+    monkeypatch.setattr(step, "fla_row", fake_fla_row)
+    shape = ["data=text", f"data.path={corpus}", "model.n_layers=2", "model.d_model=64", "model.head_dim=32",
+             "data.seq_len=16", "data.batch_size=2", "data.vocab_size=260", "data.val_tokens=256",
+             "moe=dense", "residual=standard", "optim=adamw", "mixer=kda", "kernels.backend=torch"]
+    variants = "train.compile=false,train.compile=false decay=softplus,train.compile=false kernels.ce_chunk=8"
+    text = step.main([*shape, "--warmup", "1", "--steps", "1", "--paths", "bare", "--fla", "--variants", variants])
+    assert calls == ["train.compile=false", "train.compile=false decay=softplus"]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
+            for line in text.splitlines() if line.startswith("| train.compile")}
+    assert set(rows) == {("train.compile=false", "bare"), ("train.compile=false decay=softplus", "bare"),
+                         ("train.compile=false kernels.ce_chunk=8", "bare"), ("train.compile=false", "fla"),
+                         ("train.compile=false decay=softplus", "fla")}
+    for (variant, path), cells in rows.items():
+        if path == "bare":
+            fla = 50.0 if "softplus" in variant else 100.0
+            assert float(cells[4]) == pytest.approx(float(cells[0].replace(",", "")) / fla, rel=0.01, abs=0.006)
+            assert float(cells[5]) > 0
+
+
+def test_train_check_compares_each_variants_curve_with_the_first_and_sees_a_repeat_match(corpus, tmp_path):
+    """kda_train_check on the CPU: a repeated deterministic variant matches the first bit for bit (diff 0,
+    'all logged losses bitwise equal'); a variant with another learning rate differs from it."""
+    from benchmarks.kda_train_check import main as check
+
+    out = tmp_path / "check.md"
+    check(["--model", "tiny", "--trainer", "cpu", "--seq", "16", "--batch", "2", "--steps", "4", "--skip", "0",
+           "--out-dir", str(tmp_path / "runs"), "--out", str(out),
+           "--variants", "train.compile=false,train.compile=false,train.compile=false optim.lr=0.05",
+           "data=text", f"data.path={corpus}", "data.vocab_size=260", "data.val_tokens=256", "train.val_batches=1",
+           "trainer.deterministic=true"])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.read_text().splitlines() if line.startswith("| train.compile")}
+    assert set(rows) == {"train.compile=false", "train.compile=false-2", "train.compile=false optim.lr=0.05"}
+    assert rows["train.compile=false"][1] == "0.0000" and rows["train.compile=false-2"][1] == "0.0000"
+    assert float(rows["train.compile=false optim.lr=0.05"][1]) > 0
+    assert "4 of 4 logged losses bitwise equal" in out.read_text()

@@ -185,12 +185,9 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     def __init__(self, cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float):
         super().__init__()
-        if cfg.name == "full_attnres":
-            block_size = 1
-        elif cfg.name == "block_attnres":
-            block_size = math.ceil(n_sublayers / cfg.n_blocks) if cfg.n_blocks > 0 else cfg.block_size
-        else:
+        if cfg.name not in ("full_attnres", "block_attnres"):
             raise ValueError(f"AttnResidual does not implement residual.name={cfg.name!r}")
+        block_size = cfg.sublayers_per_block(n_sublayers)
         if block_size < 1:
             raise ValueError(f"residual.block_size must be >= 1 (sublayers per block), got {block_size}")
         self.name = cfg.name

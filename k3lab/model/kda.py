@@ -14,8 +14,9 @@ Output: W_o[ sigmoid(W_g x) * RMSNorm(o) ] with a full-rank gate (K3).
 The q/k L2 norm, the decay map, beta's sigmoid and the sequence mixing are one call,
 `kernels.kda.kda_gated`: on the Triton backend the fused entry whose kernels do all of it (the one the
 kernel benchmark times), on the torch and fla backends the same math in PyTorch followed by
-`kernels.kda.kda`. With kernels.checkpoint_kda that call runs under torch.utils.checkpoint: the backward
-reruns it from its inputs (raw q, k, v, z, beta logits, A_log, dt_bias) instead of keeping its intermediates.
+`kernels.kda.kda`. With kernels.checkpoint_kda the short convs and that call (`KDA.mix`) run under
+torch.utils.checkpoint: the backward reruns them from their inputs (the projections of q, k, v, z and beta,
+A_log, dt_bias) instead of keeping the conv outputs and the call's intermediates.
 """
 import math
 from functools import partial
@@ -90,23 +91,27 @@ class KDA(nn.Module):
         """z [B, T, H, K] -> g [B, T, H, K] (fp32, <= 0): the decay map that `forward` applies."""
         return log_decay(z, self.A_log, self.dt_bias, self.decay.name, self.decay.g_min)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        H, K = self.n_heads, self.head_dim
-        heads = lambda t: t.view(B, T, H, K)  # noqa: E731
-        q = heads(self.q_conv(self.q_proj(x)))
-        k = heads(self.k_conv(self.k_proj(x)))
-        v = heads(self.v_conv(self.v_proj(x)))
-        z = heads(self.f_up(self.f_down(x)))
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
+            beta_logits: torch.Tensor) -> torch.Tensor:
+        """The short convs and the sequence mixing: projections q, k, v [B, T, H*K] (before the conv), z
+        [B, T, H*K], beta logits [B, T, H] -> o [B, T, H, K]."""
+        B, T, _ = q.shape
+        heads = lambda t: t.view(B, T, self.n_heads, self.head_dim)  # noqa: E731
         # the sigmoid map bounds g below by g_min: with g_min >= -5 the Triton/fla kernels may run every
         # 16-token sub-tile as a tensor-core matmul (K3 §2.1.1). core: the chunkwise call of the torch and
         # fla backends, this module's `kda` (which tests replace to see what reaches the kernel)
-        mix = partial(kda_gated, decay=self.decay.name, g_min=self.decay.g_min, backend=self.backend,
-                      recompute_states=self.recompute_states, core=kda)
-        inputs = (q, k, v, z, self.b_proj(x), self.A_log, self.dt_bias)
+        o, _ = kda_gated(heads(self.q_conv(q)), heads(self.k_conv(k)), heads(self.v_conv(v)), heads(z), beta_logits,
+                         self.A_log, self.dt_bias, decay=self.decay.name, g_min=self.decay.g_min,
+                         backend=self.backend, recompute_states=self.recompute_states, core=kda)
+        return o
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        inputs = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_up(self.f_down(x)), self.b_proj(x))
         if self.checkpoint_kda and torch.is_grad_enabled():  # nothing random inside: no RNG state to keep
-            o, _ = checkpoint(mix, *inputs, use_reentrant=False, preserve_rng_state=False)
+            o = checkpoint(self.mix, *inputs, use_reentrant=False, preserve_rng_state=False)
         else:
-            o, _ = mix(*inputs)
-        o = self.o_norm(o) * torch.sigmoid(heads(self.g_proj(x)))
+            o = self.mix(*inputs)
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
