@@ -9,7 +9,7 @@ except for
     device layout (trainer.accelerator, devices, strategy, num_nodes; the global batch is still matched,
     through summary.json's tokens_per_step);
   - the keys under comparison: S's own group (config.S.*, the option and its settings, e.g. balance.gamma)
-    and, in a tuned comparison, the tuned hyperparameters (TUNED: optim.lr, optim.adam_lr);
+    and, in a tuned comparison, the tuned hyperparameters (TUNED: optim.lr, optim.adam_lr, optim.lr_scale);
 and their summary columns in `match` (model, size, data, tokens, global batch) are equal. A run differing
 in anything else is in another cell; the table names each cell by the keys in which the cells of a switch
 differ (`cell`), so nothing is pooled silently.
@@ -62,7 +62,7 @@ DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "tokens", "tokens_per_s
 BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels.backend", "logger",
                "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes")
 # The hyperparameters a tuned comparison chooses per option (where the option's config has them).
-TUNED = ("optim.lr", "optim.adam_lr")
+TUNED = ("optim.lr", "optim.adam_lr", "optim.lr_scale")
 # Seeds at or above this are tuning seeds unless named explicitly; the others are reported.
 TUNE_SEED_MIN = 1000
 ALPHA, POWER = 0.05, 0.8

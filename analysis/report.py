@@ -122,7 +122,7 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
     rep.add("## Ablations",
             f"Metric `{args.metric}` (lower is better). A cell holds the runs whose whole config.yaml is equal "
             f"except for the seed, the bookkeeping keys ({ignored}) and the keys under comparison (the switch's "
-            "own group" + (", optim.lr and optim.adam_lr" if args.tune else "") + "), and whose "
+            "own group" + (", optim.lr, optim.adam_lr and optim.lr_scale" if args.tune else "") + "), and whose "
             f"{', '.join(c for c in args.match.split(',') if c in table.columns)} are equal; `cell` names what "
             "differs between the cells of a switch. Mean with Student-t 95% CI over seeds; delta with 95% CI and "
             "p-value from a paired t-test when the seeds match, else Welch's t-test; `p (Holm)` adjusted over the "

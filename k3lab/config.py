@@ -189,6 +189,7 @@ class OptimConfig:
     name: str = K3_DEFAULT["optim"]
     lr: float = 6e-3             # Muon lr (update RMS matched to AdamW, so of adam_lr's order)
     adam_lr: float = 1e-2        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
+    lr_scale: float = 1.0        # multiplies lr and adam_lr: a one-dimensional rate grid that keeps their ratio
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.95
     nesterov: bool = True
@@ -399,7 +400,10 @@ def check_config(cfg: DictConfig) -> None:
         with reading_data():
             tokens.read_meta(data.path)
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
-    check_option("optim", typed(OptimConfig, cfg.optim).name)
+    optim = typed(OptimConfig, cfg.optim)
+    check_option("optim", optim.name)
+    if not optim.lr_scale > 0:
+        raise ConfigError(f"optim.lr_scale={optim.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
     typed(TrainerConfig, cfg.trainer).check()
     compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()

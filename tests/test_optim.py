@@ -444,6 +444,25 @@ def test_param_groups_per_option():
         param_groups(model, OptimConfig(name="sgd"))
 
 
+def test_lr_scale_multiplies_both_rates_and_changes_nothing_else():
+    """optim.lr_scale=s gives the groups of lr=s*lr, adam_lr=s*adam_lr exactly, for every option; a
+    non-positive scale is refused with one line naming the key."""
+    from k3lab.config import check_config
+    from k3lab.errors import ConfigError
+    from benchmarks.step import compose_config as compose
+
+    model = ToyLM()
+    for name in ("muon_per_head", "muon", "adamw"):
+        scaled = param_groups(model, OptimConfig(name=name, lr_scale=2.5))
+        direct = param_groups(model, OptimConfig(name=name, lr=2.5 * OptimConfig.lr, adam_lr=2.5 * OptimConfig.adam_lr))
+        assert len(scaled) == len(direct)
+        for a, b in zip(scaled, direct):
+            assert {k: v for k, v in a.items() if k != "params"} == {k: v for k, v in b.items() if k != "params"}
+            assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
+    with pytest.raises(ConfigError, match=r"optim.lr_scale=0.0 must be > 0"):
+        check_config(compose(["optim.lr_scale=0"]))
+
+
 # --------------------------------------------------------------------------- schedule
 
 def test_lr_schedule_warmup_peak_cosine_end():

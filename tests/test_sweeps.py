@@ -192,3 +192,21 @@ def test_tokens_per_param_ladder_gives_each_size_its_tokens(sweep, tokens_per_pa
     for r in runs:
         assert r.steps == math.ceil(tokens_per_param * r.n / r.tokens_per_step), r
         assert (r.steps - 1) * r.tokens_per_step < tokens_per_param * r.n <= r.steps * r.tokens_per_step
+
+
+def test_pycode_study_preset_gives_the_planned_runs():
+    """conf/experiment/pycode_study.yaml at the depths of results/pycode_study/PLAN.md: every depth has an
+    MLA layer (the 3:1 hybrid), 5 tokens per active non-embedding parameter in whole steps of 16 x 2,048,
+    and the longest run stays within about 4 epochs of the corpus's 101.4M training tokens."""
+    planned = {4: (6_590_476, 1006), 5: (11_595_316, 1770), 6: (18_564_350, 2833), 8: (40_806_704, 6227)}
+    for depth, (n_planned, steps_planned) in planned.items():
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["experiment=pycode_study", "data.path=/unused",
+                                               f"model.n_layers={depth}"])
+        mc = model_config(cfg, 8192)
+        model = K3Model(mc)
+        n = model.param_counts()["params_active_non_embedding"]
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        steps = run_length(cfg.train, n, flops_per_token(model, cfg.data.seq_len), tokens_per_step).max_steps
+        assert "mla" in mc.layer_kinds() and (n, steps) == (n_planned, steps_planned)
+        assert steps * tokens_per_step / 101.4e6 < 4.1

@@ -79,9 +79,9 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     if cfg.name == "adamw":
         muon, adamw = [], muon + adamw
     tags = tags_by_param(model)
-    common_adam = dict(use_muon=False, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    common_adam = dict(use_muon=False, lr=cfg.adam_lr * cfg.lr_scale, betas=tuple(cfg.betas), eps=cfg.eps)
     groups = [
-        dict(name="muon", params=muon, use_muon=True, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        dict(name="muon", params=muon, use_muon=True, lr=cfg.lr * cfg.lr_scale, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
              per_head=cfg.name == "muon_per_head",
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
