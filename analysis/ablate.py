@@ -59,7 +59,7 @@ DEFAULT_BASELINE = K3_DEFAULT
 DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "tokens", "tokens_per_step")
 # config.yaml keys (and key prefixes) that never make two runs different cells: the seed and the run's
 # bookkeeping. Everything else in config.yaml does, except the keys under comparison.
-BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels.backend", "logger",
+BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels", "logger",
                "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes")
 # The hyperparameters a tuned comparison chooses per option (where the option's config has them).
 TUNED = ("optim.lr", "optim.adam_lr", "optim.lr_scale")

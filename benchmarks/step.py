@@ -12,7 +12,7 @@ empty set, or none given, is the positional overrides alone). For each variant:
 - bare: the model and optimizer from the project's builders (K3Model from model_config, build_optimizer),
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
-  torch.autocast(bf16) when trainer.precision is bf16-mixed; model.compile() when train.compile says so
+  torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile() when train.compile says so
   (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
@@ -114,14 +114,18 @@ def device_of(cfg: DictConfig) -> torch.device:
     raise ValueError(f"trainer.accelerator={tc.accelerator!r}: benchmarks.step runs on gpu or cpu")
 
 
-def autocast_of(cfg: DictConfig, device: torch.device):
-    """The bare loop's precision, as Lightning's plugin would set it: bf16-mixed -> bf16 autocast."""
+def precision_of(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, contextlib.AbstractContextManager]:
+    """The bare loop's parameter dtype and autocast, as Lightning's precision plugin would set them:
+    bf16-mixed: fp32 parameters under bf16 autocast; bf16-true: bf16 parameters (and optimizer states),
+    no autocast (fla's setting); 32-true: fp32, no autocast."""
     precision = str(cfg.trainer.precision)
     if precision == "bf16-mixed":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.float32, torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "bf16-true":
+        return torch.bfloat16, contextlib.nullcontext()
     if precision in ("32-true", "32"):
-        return contextlib.nullcontext()
-    raise ValueError(f"trainer.precision={precision!r}: the bare loop runs 32-true or bf16-mixed")
+        return torch.float32, contextlib.nullcontext()
+    raise ValueError(f"trainer.precision={precision!r}: the bare loop runs 32-true, bf16-mixed or bf16-true")
 
 
 def reset_peak(device: torch.device) -> None:
@@ -163,13 +167,13 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     reset_peak(device)
     torch.manual_seed(cfg.seed)
     dm, batches = training_batches(cfg, warmup + steps + profile, device)
-    model = K3Model(model_config(cfg, dm.vocab_size)).to(device)
+    dtype, autocast = precision_of(cfg, device)
+    model = K3Model(model_config(cfg, dm.vocab_size)).to(device=device, dtype=dtype)
     fpt = flops_per_token(model, cfg.data.seq_len)
     compile_model(model, cfg)
     optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
     opt, sched = build_optimizer(model, optim_cfg, total_steps=warmup + steps)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
-    autocast = autocast_of(cfg, device)
     it = iter(batches)
 
     def step():

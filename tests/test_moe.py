@@ -82,6 +82,51 @@ def test_grouped_dispatch_equals_dense_reference(name, n, k):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["latent_norm", "standard"])
+def test_checkpoint_experts_reruns_them_in_the_backward_with_the_same_results(name, monkeypatch):
+    """kernels.checkpoint_experts: the routed experts run twice per step (forward, then in the backward),
+    the autograd graph keeps fewer bytes, and the output and every gradient are bitwise the same."""
+    from k3lab.model import moe as moe_module
+
+    calls = []
+    real = moe_module.GroupedExperts.forward
+    monkeypatch.setattr(moe_module.GroupedExperts, "forward", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def step(checkpoint_experts):
+        moe = build(name, d=64, n=8, k=4, hidden=96)
+        moe.checkpoint_experts = checkpoint_experts
+        x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        kept = {}  # storage -> bytes of what the graph keeps, parameters left out
+
+        def pack(t):
+            if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in moe.parameters()):
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = moe(x)
+        forward_calls = len(calls)
+        return [out.detach()] + grads(moe, x, out), sum(kept.values()), forward_calls, len(calls)
+
+    plain, plain_bytes, plain_fwd, plain_all = step(False)
+    ckpt, ckpt_bytes, ckpt_fwd, ckpt_all = step(True)
+    assert (plain_fwd, plain_all, ckpt_fwd, ckpt_all) == (1, 1, 1, 2)
+    assert ckpt_bytes < 0.75 * plain_bytes, (ckpt_bytes, plain_bytes)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_experts_reaches_every_moe_layer_from_the_config():
+    from k3lab.config import KernelsConfig, ModelConfig
+    from k3lab.model import K3Model
+
+    for on in (False, True):
+        model = K3Model(ModelConfig(n_layers=2, vocab_size=64, kernels=KernelsConfig(checkpoint_experts=on)))
+        flags = [m.checkpoint_experts for m in model.modules() if isinstance(m, MoE)]
+        assert flags and all(f is on for f in flags)
+
+
 def test_256_experts_loop_dispatch():
     moe = build("latent_norm", d=64, n=64, k=2, alpha=4)     # scaled: 256 experts, top-8
     assert (moe.n_experts, moe.top_k, moe.width) == (256, 8, 16)

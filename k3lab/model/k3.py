@@ -55,7 +55,8 @@ def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
         return GLU(cfg.width, cfg.ffn_hidden, cfg.glu)
     if cfg.moe.name == "dense_matched":
         return GLU(cfg.width, matched_dense_hidden(cfg.width, cfg.moe, cfg.ffn_hidden), cfg.glu)
-    return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden)
+    return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden,
+               checkpoint_experts=cfg.kernels.checkpoint_experts)
 
 
 class K3Model(nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3lab.config import BalanceConfig, GLUConfig, ModelConfig, MoEConfig
 from k3lab.distributed import all_reduce_sum, broadcast_from_rank0
@@ -122,17 +123,25 @@ class GroupedExperts(nn.Module):
         return torch.cat(out) if out else xs.new_zeros(0, self.width)
 
 
-def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing, dispatch: str = "auto") -> torch.Tensor:
+def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing, dispatch: str = "auto",
+                     checkpoint_experts: bool = False) -> torch.Tensor:
     """sum_{i in E(x)} p_i E_i(h): h [m, w] -> [m, w].
 
     The m*k (token, expert) pairs are sorted by expert (stable), run through the experts as grouped
     matmuls over contiguous segments, put back in (token, slot) order and summed with the weights.
+    checkpoint_experts: the experts run under torch.utils.checkpoint, so the backward reruns their gate
+    and up matmuls from the gathered input instead of keeping gate, up and the GLU output ([m*k, hidden]
+    each: top_k times a dense FFN's activations).
     """
     m, k = routing.idx.shape
     flat = routing.idx.reshape(-1)                       # [m*k] expert of each pair
     order = torch.argsort(flat, stable=True)            # pairs sorted by expert
     counts = torch.bincount(flat, minlength=experts.n)
-    ys = experts(h[order // k], counts, dispatch)        # [m*k, w] in sorted order
+    xs = h[order // k]                                   # [m*k, w] in sorted order
+    if checkpoint_experts and torch.is_grad_enabled():   # nothing random inside: no RNG state to keep
+        ys = checkpoint(experts, xs, counts, dispatch, use_reentrant=False, preserve_rng_state=False)
+    else:
+        ys = experts(xs, counts, dispatch)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     y = ys[inverse].reshape(m, k, -1)                    # back to (token, slot)
@@ -150,7 +159,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d_model: int, moe: MoEConfig, glu: GLUConfig, balance: BalanceConfig,
-                 eps: float = 1e-6, ffn_hidden: int | None = None):
+                 eps: float = 1e-6, ffn_hidden: int | None = None, checkpoint_experts: bool = False):
         super().__init__()
         if moe.name in ("dense", "dense_matched"):
             raise ValueError(f"moe={moe.name} is a dense GLU FFN (k3lab.model.k3.build_ffn); build GLU, not MoE")
@@ -165,6 +174,7 @@ class MoE(nn.Module):
         self.width = d_model // alpha
         self.hidden = moe.expert_hidden or default_expert_hidden(d_model, moe.top_k, ffn_hidden)
         self.dispatch = "auto"  # auto | grouped (torch._grouped_mm) | loop; an attribute, set it to compare
+        self.checkpoint_experts = checkpoint_experts  # kernels.checkpoint_experts (dispatch_combine)
 
         self.router = Router(d_model, self.n_experts, self.top_k, moe.router_init_std)
         self.experts = GroupedExperts(self.n_experts, self.width, self.hidden, glu)
@@ -187,7 +197,7 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [m, D] -> the routed branch [m, D] (latent: W_up [norm] sum p_i E_i(W_down x))."""
         h = self.down(x) if self.latent else x
-        r = dispatch_combine(self.experts, h, routing, self.dispatch)
+        r = dispatch_combine(self.experts, h, routing, self.dispatch, self.checkpoint_experts)
         if self.norm is not None:
             r = self.norm(r.to(torch.promote_types(r.dtype, torch.float32))).to(r.dtype)  # fp32 stats under bf16
         return self.up(r) if self.latent else r
