@@ -2,7 +2,7 @@
 
 Traced whole, the sublayer loop of K3Model.forward unrolls into one graph, the AttnRes bookkeeping with it.
 A graph break inside a sublayer (here: the torch KDA path's data-dependent decay-path choice and the MoE's
-data-dependent expert split) makes dynamo skip K3Model.forward and compile each call it makes as a frame of
+CPU loop over experts, whose split sizes are data) makes dynamo skip K3Model.forward and compile each call it makes as a frame of
 its own; the residual's read/write/end then run eagerly: compiled as frames, they would be recompiled at every
 sublayer for its op index and number of depth sources, up to dynamo's recompile limit of 8.
 """
@@ -73,6 +73,41 @@ def test_model_without_graph_breaks_compiles_to_one_graph(residual):
     assert counter.frame_count == 1
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("balance", ["qb", "sign"])
+def test_moe_with_grouped_dispatch_compiles_to_one_graph(balance):
+    """The MoE's GPU path (grouped matmuls, counts from the sorted expert ids, load statistics by
+    scatter-add) has no data-dependent shapes: an all-MLA MoE model under bf16 autocast traces with
+    fullgraph=True as one frame, training-mode balancing statistics included, and the step's bias update
+    leaves nothing that makes the next step recompile."""
+    from k3lab.config import BalanceConfig
+    from k3lab.model.moe import MoE
+
+    try:
+        torch._grouped_mm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        pytest.skip("torch._grouped_mm does not run on this CPU build")
+    torch._dynamo.reset()
+    model = build("standard", mixer=MixerConfig(name="mla"), balance=BalanceConfig(name=balance))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes
+    for m in moes:
+        m.dispatch = "grouped"
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_model = torch.compile(model, backend=counter, fullgraph=True)
+    loads, frames = [], []
+    for _ in range(2):  # two training steps, each ending with the router-bias update as training does
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step(model, compiled_model)
+        loads.append([int(m._load.sum()) for m in moes])
+        frames.append(counter.frame_count)
+        model.update_router_biases()
+    # one graph holds every operation (dynamo also records one frame that has none); none is recompiled
+    assert [len(g.graph.nodes) > 0 for g in counter.graphs].count(True) == 1
+    assert frames[1] == frames[0]
+    assert loads == [[2 * 24 * m.top_k for m in moes]] * 2  # 48 tokens per step, top_k experts each
 
 
 def test_loss_path_compiles_to_one_graph_with_the_chunked_cross_entropy():

@@ -81,9 +81,16 @@ class Router(nn.Module):
 
 
 # --- statistics ---------------------------------------------------------------------------------
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """ids [...] in [0, n) -> occurrences of each id [n] (int64). A scatter-add rather than torch.bincount,
+    whose output length depends on the data: dynamo breaks the graph at bincount, not here."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_load(idx: torch.Tensor, n: int) -> torch.Tensor:
     """idx [m, k] -> tokens per expert [n] (int64)."""
-    return torch.bincount(idx.reshape(-1), minlength=n)
+    return count_ids(idx, n)
 
 
 def max_violation(load: torch.Tensor) -> float:
@@ -131,7 +138,7 @@ def qb_histogram(margins: torch.Tensor, lo: float, hi: float, bins: int) -> torc
     width = (hi - lo) / bins
     b = ((margins.double() - lo) / width).floor().clamp_(0, bins - 1).long()
     flat = (torch.arange(n, device=margins.device) * bins + b).reshape(-1)
-    return torch.bincount(flat, minlength=n * bins).reshape(n, bins).double()
+    return count_ids(flat, n * bins).reshape(n, bins).double()
 
 
 def qb_quantile_hist(counts: torch.Tensor, lo: float, hi: float, k: int, m: int) -> torch.Tensor:
