@@ -1,0 +1,50 @@
+"""results/pycode_study/slice.sh on the CPU, at a stand-in size: a stage starts detached and returns, `wait`
+sees it finish, `collect` packs the run directories without checkpoints, the corpus identity is recorded;
+started again on a fresh run folder with the collected runs put back, the stage skips every run."""
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ("trainer=cpu model.aspect=16 model.head_dim=16 data.seq_len=32 data.batch_size=2 data.val_tokens=256 "
+        "train.tokens_per_param=null train.max_steps=3 train.val_every=3 train.ckpt_every=2 optim.warmup_frac=null "
+        "optim.warmup_steps=1")
+
+
+def slice_sh(*args: str, env: dict) -> str:
+    done = subprocess.run(["bash", "results/pycode_study/slice.sh", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tmp_path):
+    study = tmp_path / "study"
+    study.mkdir()
+    env = {**os.environ, "STUDY": str(study), "CORPUS": str(tmp_path / "corpus"), "RUNS": str(tmp_path / "runs"),
+           "PREPARE": "--source python-code --max-docs 80 --vocab-size 300 --workers 1", "EXTRA": TINY,
+           "CONFIGS": "\ndecay=softplus", "OMP_NUM_THREADS": "1", "K3LAB_CACHE": str(tmp_path / "cache")}
+    started = slice_sh("start", "tune", env=env)
+    assert started.count("python3 run.py -m experiment=pycode_study") == 2 and "started stage tune" in started
+    assert "stage finished" in slice_sh("wait", "400", env=env)
+    out = tmp_path / "out"
+    out.mkdir()
+    slice_sh("collect", str(out), env=env)
+    with tarfile.open(out / "runs.tgz") as tar:
+        names = tar.getnames()
+    summaries = [n for n in names if n.endswith("summary.json")]
+    assert len(summaries) == 6 and not any("checkpoints" in n for n in names)  # 2 configurations x 3 scales
+    identity = json.loads((out / "corpus.json").read_text())
+    assert identity == json.loads((study / "corpus.json").read_text()) and identity["vocab_size"] == 300
+
+    # a later slice: a fresh run folder, the collected runs in the study folder; the same stage trains nothing
+    with tarfile.open(out / "runs.tgz") as tar:
+        tar.extractall(study / "collected", filter="data")
+    (study / "collected" / "pycode_study").rename(study / "runs")
+    env["RUNS"] = str(tmp_path / "runs2")
+    slice_sh("start", "tune", env=env)
+    assert "stage finished" in slice_sh("wait", "400", env=env)
+    logs = "".join(p.read_text() for p in (tmp_path / "runs2" / ".slice").glob("log.*"))
+    assert logs.count("completed already, skipped") == 6, logs[-2000:]
