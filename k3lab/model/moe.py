@@ -194,7 +194,7 @@ class MoE(nn.Module):
         self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
         self._tokens = 0
-        self._last: dict[str, float] = {}
+        self._closed: tuple[torch.Tensor, torch.Tensor] | None = None  # (load, [entropy sum, tokens]) of the last step
 
     # --- forward --------------------------------------------------------------------------------
     def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -232,15 +232,14 @@ class MoE(nn.Module):
     def update_bias(self) -> None:
         """Apply the balancing rule to the forwards since the last call (pooled over micro-batches and,
         under torch.distributed, over ranks: a collective, so every rank must call it). The new bias
-        is used from the next forward on; every rank holds the same bias."""
+        is used from the next forward on; every rank holds the same bias. The closed step's routing
+        statistics stay on the device until `stats()` reads them: no host synchronisation per step."""
         new = self.balancer.update(self.router.bias)
         if new is not None:
             self.router.bias.copy_(broadcast_from_rank0(new.to(self.router.bias)))
         self.balancer.reset()
-        load = all_reduce_sum(self._load)
-        entropy_tokens = all_reduce_sum(torch.stack([self._entropy_sum, self._entropy_sum.new_tensor(self._tokens)]))
-        if entropy_tokens[1] > 0:
-            self._last = self._summarise(load, entropy_tokens)
+        self._closed = (all_reduce_sum(self._load).clone(),
+                        all_reduce_sum(torch.stack([self._entropy_sum, self._entropy_sum.new_tensor(self._tokens)])))
         self._load.zero_()
         self._entropy_sum.zero_()
         self._tokens = 0
@@ -261,8 +260,8 @@ class MoE(nn.Module):
         if self._tokens:
             return self._summarise(self._load, torch.stack([self._entropy_sum,
                                                             self._entropy_sum.new_tensor(self._tokens)]))
-        if self._last:
-            return {**self._last, "bias_norm": float(self.router.bias.norm())}
+        if self._closed is not None and self._closed[1][1] > 0:
+            return self._summarise(*self._closed)
         return {"maxvio": float("nan"), "dead_frac": float("nan"), "router_entropy": float("nan"),
                 "bias_norm": float(self.router.bias.norm())}
 

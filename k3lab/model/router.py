@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import BalanceConfig
-from k3lab.distributed import all_gather_rows, all_reduce_sum
+from k3lab.distributed import all_gather_rows, all_reduce_sum, is_distributed
 from k3lab.switches import check_option
 from k3lab.model.tags import tag
 
@@ -126,13 +126,14 @@ def qb_quantile_exact(margins: torch.Tensor, k: int, m: int | None = None) -> to
     return -torch.kthvalue(-margins, c, dim=0).values
 
 
-def qb_hist_range(bias: torch.Tensor) -> tuple[float, float]:
+def qb_hist_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Margins are bounded: s in (0, 1) and alpha_i in [min b, 1 + max b], so
-    r in [-1 - max b, 1 - min b]. Fixed by the bias, hence equal on all ranks and micro-batches."""
-    return -1.0 - float(bias.max()), 1.0 - float(bias.min())
+    r in [-1 - max b, 1 - min b]. Fixed by the bias, hence equal on all ranks and micro-batches.
+    0-d float64 tensors on the bias's device, so that the forward never waits for the host."""
+    return -1.0 - bias.max().double(), 1.0 - bias.min().double()
 
 
-def qb_histogram(margins: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
+def qb_histogram(margins: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int) -> torch.Tensor:
     """margins [m, n] -> counts [n, bins] (float64) of each expert's margins in `bins` equal bins of [lo, hi]."""
     m, n = margins.shape
     width = (hi - lo) / bins
@@ -141,7 +142,7 @@ def qb_histogram(margins: torch.Tensor, lo: float, hi: float, bins: int) -> torc
     return count_ids(flat, n * bins).reshape(n, bins).double()
 
 
-def qb_quantile_hist(counts: torch.Tensor, lo: float, hi: float, k: int, m: int) -> torch.Tensor:
+def qb_quantile_hist(counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, m: int) -> torch.Tensor:
     """counts [n, bins] -> q [n]: the c-th largest margin (c = ceil(m k / n)), located in its bin and
     interpolated assuming the bin's values are evenly spread. Error <= one bin width (hi - lo) / bins."""
     n, bins = counts.shape
@@ -192,7 +193,9 @@ class QuantileBalance:
 
     def update(self, bias: torch.Tensor) -> torch.Tensor | None:
         device = bias.device
-        m = int(all_reduce_sum(torch.tensor([self.m], dtype=torch.int64, device=device)).item())
+        # the row count is known here; only ranks that pool need to agree on it (a collective and a sync)
+        m = int(all_reduce_sum(torch.tensor([self.m], dtype=torch.int64, device=device)).item()) \
+            if is_distributed() else self.m
         if m == 0:
             return None
         if self.bins == 0:
@@ -237,10 +240,8 @@ class SignBalance:
 
     def update(self, bias: torch.Tensor) -> torch.Tensor | None:
         local = self.load if self.load is not None else torch.zeros(self.n, dtype=torch.int64, device=bias.device)
-        load = all_reduce_sum(local)
-        if int(load.sum()) == 0:
-            return None
-        return sign_update(bias, load, self.gamma)
+        # no tokens seen: every load is 0, so sign(mean - load) = 0 and the bias stays (no host sync to check)
+        return sign_update(bias, all_reduce_sum(local), self.gamma)
 
     def loss(self, routing: Routing) -> torch.Tensor | None:
         return None
