@@ -32,8 +32,9 @@ empty set, or none given, is the positional overrides alone). For each variant:
 
 One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
 parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
-unknown, e.g. the CPU) and peak memory in GiB (on the CPU the process's peak resident memory, which only
-grows from row to row). Only the trainer path writes files, into a temporary directory it removes; the
+unknown, e.g. the CPU), peak memory in GiB (on the CPU the process's peak resident memory, which only
+grows from row to row) and, of it, what the parameters, gradients and optimizer states hold (bare and fla
+rows; the rest of the peak is activations and workspace). Only the trainer path writes files, into a temporary directory it removes; the
 table goes to --out PATH when given. Runs on the CPU too (tiny shapes, no --fla).
 """
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Row:
     ms_per_step: float
     flops_per_token: float
     peak_mb: float
+    state_mb: float | None = None  # parameters, gradients and optimizer states (the rest of the peak: activations)
 
 
 def split_variants(text: str) -> list[str]:
@@ -188,7 +190,8 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
         model.update_router_biases()
 
     seconds = timed(step, warmup, steps, device)
-    row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device))
+    row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device),
+              state_mb(model, opt))
     if profile:
         print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
               flush=True)
@@ -277,7 +280,15 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
 
     seconds = timed(step, warmup, steps, device)
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    return Row(variant, "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device))
+    return Row(variant, "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device), state_mb(model, opt))
+
+
+def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """MB held by the parameters, their gradients and the optimizer's state tensors (storages counted once)."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *(v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) / 2**20
 
 
 def peak_mb(device: torch.device) -> float:
@@ -297,15 +308,16 @@ def table(rows: list[Row], header: list[str], fla_of: dict[int, Row] | None = No
                 None)
     fla_of = fla_of or {}
     extra = " ours / fla tokens/s | ours / fla memory |" if fla_of else ""
-    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB |" + extra,
-             "|---|---|---|---|---|---|" + ("---|---|" if fla_of else "")]
+    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB | of it parameters, "
+             "gradients, optimizer states |" + extra, "|---|---|---|---|---|---|---|" + ("---|---|" if fla_of else "")]
     for r in rows:
         mfu = f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-"
         ref = fla_of.get(id(r))
         ratios = (f" {r.tokens_per_s / ref.tokens_per_s:.2f} | {r.peak_mb / ref.peak_mb:.2f} |" if ref
                   else " | |") if fla_of else ""
+        state = f"{r.state_mb / 1024:.2f}" if r.state_mb is not None else "-"
         lines.append(f"| {r.variant or '(overrides only)'} | {r.path} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | "
-                     f"{mfu} | {r.peak_mb / 1024:.2f} |{ratios}")
+                     f"{mfu} | {r.peak_mb / 1024:.2f} | {state} |{ratios}")
     return "\n".join(lines) + "\n"
 
 

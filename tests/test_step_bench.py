@@ -103,8 +103,8 @@ def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_wi
     for (variant, path), cells in rows.items():
         if path == "bare":
             fla = 50.0 if "softplus" in variant else 100.0
-            assert float(cells[4]) == pytest.approx(float(cells[0].replace(",", "")) / fla, rel=0.01, abs=0.006)
-            assert float(cells[5]) > 0
+            assert float(cells[5]) == pytest.approx(float(cells[0].replace(",", "")) / fla, rel=0.01, abs=0.006)
+            assert float(cells[6]) > 0 and 0 <= float(cells[4]) <= float(cells[3])  # states within the peak
 
 
 def test_train_check_compares_each_variants_curve_with_the_first_and_sees_a_repeat_match(corpus, tmp_path):
@@ -149,3 +149,19 @@ def test_bare_loop_trains_bf16_true_in_bf16_parameters_without_autocast(corpus, 
     with pytest.raises(ValueError, match="16-true"):
         step.precision_of(cfg, torch.device("cpu"))
     assert isinstance(step.precision_of(step.compose_config(shape), torch.device("cpu"))[1], contextlib.nullcontext)
+
+
+def test_state_mb_counts_parameters_gradients_and_optimizer_states_once():
+    """A 10x10 linear layer with bias (110 fp32 values) after one AdamW step holds parameters, gradients,
+    exp_avg and exp_avg_sq (4 x 440 bytes) and a 0-d step per parameter; a tied tensor counts once."""
+    from benchmarks.step import state_mb
+
+    layer = torch.nn.Linear(10, 10)
+    opt = torch.optim.AdamW(layer.parameters())
+    layer(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    steps = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values())
+    assert state_mb(layer, opt) * 2**20 == 4 * 110 * 4 + steps
+    tied = torch.nn.Module()
+    tied.a, tied.b = layer, layer
+    assert state_mb(tied, opt) == state_mb(layer, opt)
