@@ -59,7 +59,9 @@ case "${1:-}" in
     args=$(stage_args "$stage")
     rm -f "$STATE/finished"
     # one multirun per configuration, all at once on the one GPU; the stage ends when all have
-    { i=0
+    # several processes compile at once: a few compile workers each instead of one per core each
+    { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2}"
+      i=0
       while IFS= read -r config; do
         i=$((i + 1))
         echo "python3 run.py -m experiment=pycode_study data.path=$CORPUS out_dir=$RUNS $config $args $EXTRA > $STATE/log.$i 2>&1 &"
