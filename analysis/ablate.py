@@ -303,6 +303,11 @@ def _command(g: pd.DataFrame, report_seeds: str) -> str:
     return "python run.py -m " + " ".join(shlex.quote(o) for o in [*items, f"seed={report_seeds}"])
 
 
+def _shared_device(g: pd.DataFrame) -> bool:
+    """Whether any run of g trained beside other runs on its GPU (summary.json's device_shared)."""
+    return "device_shared" in g and bool(g["device_shared"].fillna(False).astype(bool).any())
+
+
 def _mean(g: pd.DataFrame, col: str) -> float:
     return float(pd.to_numeric(g[col], errors="coerce").mean()) if col in g else np.nan
 
@@ -462,6 +467,10 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
     base_g = base_rows[0][1] if len(base_rows) == 1 else g.iloc[:0]
     for col, src in (("N_rel", n_col), ("flops_rel", "flops_per_token"), ("tokens_per_s_rel", "tokens_per_s_median")):
         row[col] = _mean(g, src) / _mean(base_g, src) if len(base_g) and _mean(base_g, src) else np.nan
+    if _shared_device(g) or _shared_device(base_g):  # others trained on the same GPU: not the option's own speed
+        row["tokens_per_s_rel"] = np.nan
+        if not is_base:
+            warnings.append("tokens/s of runs that shared a GPU: no throughput ratio")
     row["warnings"] = "; ".join(warnings)
     return row
 
@@ -498,14 +507,18 @@ HEADLINE_COLUMNS = ["switch", "option", "N", "tokens", "n", "delta", "delta_lo",
                     "wall_clock_lo", "wall_clock_hi"]
 
 
-def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None) -> pd.DataFrame:
+def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None,
+             speed: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """One row per (switch, option): what the option is worth.
 
     delta [CI] and verdict: the table's row at the largest model size (the baseline row's N; ties: the
     most tokens, then the most seeds). multiplier [CI]: the shared-exponent compute multiplier of the
     variant 'switch=option' against the baseline from `multipliers` (analysis.scaling.compute_multipliers;
     NaN without a ladder per variant); > 1: the baseline needs that many times the FLOPs for the variant's
-    loss. tokens_per_s_rel: the variant's throughput over the baseline's in the same runs as the delta;
+    loss. tokens_per_s_rel: the variant's throughput over the baseline's in the same runs as the delta, or,
+    where those shared their GPU with other runs (device_shared), in the longest cell of the same size
+    whose runs did not, from `speed` (the ablation table of timing runs, each option alone) when given,
+    else from `table`;
     flop_s_rel = tokens_per_s_rel x flops_rel, the ratio of FLOPs per second. wall_clock = multiplier x
     flop_s_rel: T_base / T_var for the same loss, with T = C / (FLOPs per second), so > 1 means the variant
     reaches the loss sooner; its interval is the multiplier's interval times flop_s_rel (the throughput
@@ -516,14 +529,22 @@ def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None) ->
         size = (g["N"] / g["N_rel"]).where(g["N_rel"].notna(), g["N"])
         g = g.assign(_size=size.fillna(0), _tokens=g["tokens"] if "tokens" in g else 0)
         r = g.sort_values(["_size", "_tokens", "n"], ascending=False, kind="stable").iloc[0]
+        tokens_per_s_rel = r["tokens_per_s_rel"]
+        if pd.isna(tokens_per_s_rel):  # e.g. the study's runs shared the GPU: a cell of the same size timed alone
+            timed = g if speed is None else speed[(speed["switch"] == s) & (speed["option"] == o)]
+            size = (timed["N"] / timed["N_rel"]).where(timed["N_rel"].notna(), timed["N"])
+            alone = timed[np.isclose(size, r["_size"]) & timed["tokens_per_s_rel"].notna()]
+            by = [c for c in ("tokens", "n") if c in alone]
+            tokens_per_s_rel = alone.sort_values(by, ascending=False, kind="stable")["tokens_per_s_rel"].iloc[0] \
+                if len(alone) else np.nan
         m = pd.DataFrame() if multipliers is None else multipliers[
             (multipliers["variant"] == f"{s}={o}") & (multipliers["kind"] == "shared")]
         mult, lo, hi = (m.iloc[0][["multiplier", "lo", "hi"]].astype(float) if len(m) else (np.nan,) * 3)
-        flop_s = r["tokens_per_s_rel"] * r["flops_rel"]
+        flop_s = tokens_per_s_rel * r["flops_rel"]
         rows.append({"switch": s, "option": o, "N": r["_size"], "tokens": r["_tokens"], "n": r["n"],
                      "delta": r["delta"], "delta_lo": r["delta_lo"], "delta_hi": r["delta_hi"], "verdict": r["verdict"],
                      "multiplier": mult, "multiplier_lo": lo, "multiplier_hi": hi,
-                     "tokens_per_s_rel": r["tokens_per_s_rel"], "flops_rel": r["flops_rel"], "flop_s_rel": flop_s,
+                     "tokens_per_s_rel": tokens_per_s_rel, "flops_rel": r["flops_rel"], "flop_s_rel": flop_s,
                      "wall_clock": mult * flop_s, "wall_clock_lo": lo * flop_s, "wall_clock_hi": hi * flop_s})
     return pd.DataFrame(rows, columns=HEADLINE_COLUMNS)
 

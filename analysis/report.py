@@ -176,8 +176,9 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
     return table
 
 
-def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[pd.DataFrame]) -> None:
-    h = headline(table, mult)
+def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[pd.DataFrame],
+                     speed: Optional[pd.DataFrame] = None) -> None:
+    h = headline(table, mult, speed)
     if h.empty:
         return
     h.to_csv(rep.out / "headline.csv", index=False)
@@ -187,7 +188,8 @@ def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[p
                "Per switch option: the delta at the largest model size with its 95% CI and verdict (from the ablation "
                "table), the compute multiplier from the L(C) fits of its ladder (shared exponent; > 1: the baseline "
                "needs that many times the FLOPs for the option's loss), the throughput of the same runs against the "
-               "baseline's (tokens/s, and FLOPs per token), and the wall-clock multiplier = compute multiplier x "
+               "baseline's (tokens/s, and FLOPs per token; where those runs shared a GPU, from the --speed runs of "
+               "the same size, each option alone), and the wall-clock multiplier = compute multiplier x "
                "tokens/s ratio x FLOPs/token ratio (the ratio of FLOPs per second): how much sooner the option "
                "reaches the loss (> 1: sooner); its interval is the multiplier's." + ladder,
                markdown_table(display_headline(h)), "", "Table: [headline.csv](headline.csv).")
@@ -376,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
     add_source_args(p)
     p.add_argument("--out", required=True, help="report folder (report.md, figures, ablation.csv)")
+    p.add_argument("--speed", nargs="+", default=[], metavar="PATH",
+                   help="timing runs, each option alone on its GPU: the headline's throughput ratio where the "
+                        "ablation's runs shared a GPU (summary.json's device_shared)")
     p.add_argument("--title", default=None)
     add_ablation_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
@@ -437,7 +442,13 @@ def main(argv: Optional[list[str]] = None) -> Path:
                 section_scaling(rep, base, args, label=args.baseline_variant)
             mult = section_multipliers(rep, df, args)
         if table is not None:
-            section_headline(rep, headline_at, table, mult)
+            speed = None
+            if args.speed:
+                runs = collect(args.speed, curves=False).runs
+                speed = table_from_args(runs, argparse.Namespace(**{**vars(args), "tune": False}))
+                rep.add(f"Throughput where the ablation's runs shared a GPU: from the {len(runs)} timing runs "
+                        f"of {' '.join(args.speed)}.")
+            section_headline(rep, headline_at, table, mult, speed)
     path = rep.write()
     print(f"report: {path}")
     return path

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from k3lab.errors import ConfigError, UserError
+from k3lab.sweep import DEVICE_SHARED_ENV
 from k3lab.fileio import atomic_write, atomic_write_text, remove_stale_temps
 
 
@@ -177,6 +178,9 @@ def environment() -> dict[str, Any]:
                      "lightning": lightning.__version__},
         "device": device,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as the launcher set it (joblib, SLURM)
+        # other runs trained on the same GPU at the same time (DEVICE_SHARED_ENV set by whoever started them
+        # so: k3lab.sweep.DevicePerJob, a study's slice script): tokens/s is then not the config's own
+        "device_shared": os.environ.get(DEVICE_SHARED_ENV) == "1",
     }
 
 

@@ -40,6 +40,9 @@ from k3lab.console import console
 from k3lab.errors import report, user_message
 from k3lab.fileio import atomic_write_text
 
+# "1" in a run's environment: other runs train on its GPU at the same time (summary.json's device_shared)
+DEVICE_SHARED_ENV = "K3LAB_DEVICE_SHARED"
+
 OUTCOME = {"new": "completed", "restart": "completed (restarted)", "resume": "completed (resumed)",
            "skip": "skipped (completed before)"}
 
@@ -162,6 +165,7 @@ class DevicePerJob(Callback):
         self.devices = devices
         self.jobs_per_device = jobs_per_device
         self.share: list[str] = []   # the devices jobs claim from; empty: leave CUDA_VISIBLE_DEVICES alone
+        self.shared = False
         self.claims: Path | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -185,8 +189,10 @@ class DevicePerJob(Callback):
                                   f"hydra.callbacks.device_per_job.jobs_per_device={self.jobs_per_device} job(s) "
                                   f"each: pass hydra.launcher.n_jobs={slots} (or fewer), or more jobs_per_device")
         self.share = share
+        self.shared = n_jobs > len(share)  # some GPU holds several jobs at once: their tokens/s are not their own
         self.claims = Path(str(config.hydra.sweep.dir)).resolve() / ".sweep" / "devices"
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.share:
             os.environ["CUDA_VISIBLE_DEVICES"] = claim_device(self.claims, self.share, self.jobs_per_device)
+            os.environ[DEVICE_SHARED_ENV] = "1" if self.shared else "0"  # summary.json's device_shared

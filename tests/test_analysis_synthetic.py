@@ -490,6 +490,33 @@ def test_not_significant_rows_carry_their_mde_and_small_n_is_flagged():
     assert (r["N_rel"], r["flops_rel"], r["tokens_per_s_rel"]) == pytest.approx((0.8, 0.85, 1.5))
 
 
+def test_runs_that_shared_a_gpu_give_no_throughput_ratio_and_the_headline_takes_one_timed_alone():
+    """A study whose runs trained several to a GPU (device_shared): their tokens/s say nothing of the
+    option, so the row has no throughput ratio and says why; a short cell of the same size, each option
+    run alone, gives the headline its ratio (0.8), and the delta stays the study cell's."""
+    base = {**analysis_default(), "model": "tiny", "data": "sotu", "params_active_non_embedding": 1e6,
+            "flops_per_token": 6e6}
+    rng = np.random.default_rng(2)
+    rows = []
+    for seed in (0, 1, 2):
+        noise = rng.normal(0, 0.01)
+        rows.append(dict(base, tokens=1e8, seed=seed, loss_val_final=3.0 + noise, tokens_per_s_median=900.0,
+                         device_shared=True))
+        rows.append(dict(base, glu="swiglu", tokens=1e8, seed=seed, loss_val_final=3.1 + noise,
+                         tokens_per_s_median=1100.0, device_shared=True))
+    rows.append(dict(base, tokens=1e6, seed=0, loss_val_final=4.0, tokens_per_s_median=1000.0, device_shared=False))
+    rows.append(dict(base, glu="swiglu", tokens=1e6, seed=0, loss_val_final=4.1, tokens_per_s_median=800.0,
+                     device_shared=False))
+    tab = ablation_table(pd.DataFrame(rows))
+    study = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e8)].iloc[0]
+    timing = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e6)].iloc[0]
+    assert np.isnan(study["tokens_per_s_rel"]) and "shared a GPU" in study["warnings"]
+    assert timing["tokens_per_s_rel"] == pytest.approx(0.8) and "shared" not in timing["warnings"]
+    head = headline(tab).set_index("option").loc["swiglu"]
+    assert head["tokens_per_s_rel"] == pytest.approx(0.8) and head["tokens"] == 1e8
+    assert head["delta"] == pytest.approx(0.1)
+
+
 # --------------------------------------------------------------------------------------------------
 # One N and C; the compute multiplier and the headline
 # --------------------------------------------------------------------------------------------------
@@ -562,6 +589,35 @@ def test_tuned_report_has_the_tuning_table(tmp_path):
                    "moe=dense_matched optim.lr=0.012 optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2"):
         assert needle in text, needle
     assert pd.read_csv(tmp_path / "rep" / "tuning.csv")["chosen"].sum() == 2
+
+
+def test_report_takes_the_headline_throughput_from_speed_runs_where_the_study_shared_a_gpu(tmp_path):
+    """The study's runs shared their GPU (device_shared): the report's headline takes each option's
+    throughput ratio from --speed, short runs of the same size each alone (SwiGLU at 0.8x), and says so;
+    those runs do not enter the ablation table (its Holm family is the study's comparisons alone)."""
+    from analysis.report import main as report
+
+    def mark(root, shared: bool, swiglu_speed: float = 1.0) -> None:
+        for path in root.glob("*/summary.json"):
+            summary = json.loads(path.read_text())
+            summary["device_shared"] = shared
+            if summary["switches"]["glu"] == "swiglu" and summary["tokens_per_s_median"]:
+                summary["tokens_per_s_median"] *= swiglu_speed
+            path.write_text(json.dumps(summary))
+
+    write_ablation_sweep(tmp_path / "study", broken=False)
+    mark(tmp_path / "study", shared=True, swiglu_speed=1.3)
+    write_ablation_sweep(tmp_path / "speed", seeds=(0,), tokens=1e6, broken=False)
+    mark(tmp_path / "speed", shared=False, swiglu_speed=0.8)
+    out = tmp_path / "rep"
+    text = report([str(tmp_path / "study"), "--speed", str(tmp_path / "speed"), "--out", str(out),
+                   "--formats", "png"]).read_text()
+    head = pd.read_csv(out / "headline.csv").set_index("option")
+    assert head.loc["swiglu", "tokens_per_s_rel"] == pytest.approx(0.8)
+    assert head.loc["swiglu", "tokens"] == 5e7  # the delta is still the study's
+    assert "timing runs" in text
+    table = pd.read_csv(out / "ablation.csv")
+    assert set(table["tokens"]) == {5e7} and table["tokens_per_s_rel"].isna().all()
 
 
 def test_delta_plot_explains_its_colours(sweep):

@@ -36,6 +36,8 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
         names = tar.getnames()
     summaries = [n for n in names if n.endswith("summary.json")]
     assert len(summaries) == 6 and not any("checkpoints" in n for n in names)  # 2 configurations x 3 scales
+    with tarfile.open(out / "runs.tgz") as tar:
+        assert all(json.load(tar.extractfile(n))["device_shared"] is True for n in summaries)
     identity = json.loads((out / "corpus.json").read_text())
     assert identity == json.loads((study / "corpus.json").read_text()) and identity["vocab_size"] == 300
 

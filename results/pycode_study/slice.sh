@@ -60,7 +60,8 @@ case "${1:-}" in
     rm -f "$STATE/finished"
     # one multirun per configuration, all at once on the one GPU; the stage ends when all have
     # several processes compile at once: a few compile workers each instead of one per core each
-    { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2}"
+    # their tokens/s are not their own: summary.json says device_shared, and the analysis takes no ratio from it
+    { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2} K3LAB_DEVICE_SHARED=1"
       i=0
       while IFS= read -r config; do
         i=$((i + 1))
