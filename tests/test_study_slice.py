@@ -43,10 +43,31 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
 
     # a later slice: a fresh run folder, the collected runs in the study folder; the same stage trains nothing
     with tarfile.open(out / "runs.tgz") as tar:
-        tar.extractall(study / "collected", filter="data")
-    (study / "collected" / "pycode_study").rename(study / "runs")
+        tar.extractall(study / "runs", filter="data")
     env["RUNS"] = str(tmp_path / "runs2")
     slice_sh("start", "tune", env=env)
     assert "stage finished" in slice_sh("wait", "400", env=env)
     logs = "".join(p.read_text() for p in (tmp_path / "runs2" / ".slice").glob("log.*"))
     assert logs.count("completed already, skipped") == 6, logs[-2000:]
+
+
+def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_path):
+    """Stage `speed`: one multirun after another (each run alone on the GPU, device_shared false), at the
+    two depths, into runs/pycode_speed/, which `collect` packs beside the study's runs."""
+    env = {**os.environ, "STUDY": str(tmp_path / "study"), "CORPUS": str(tmp_path / "corpus"),
+           "RUNS": str(tmp_path / "runs"), "PREPARE": "--source python-code --max-docs 80 --vocab-size 300 --workers 1",
+           "EXTRA": TINY, "CONFIGS": "\ndecay=softplus", "OMP_NUM_THREADS": "1", "K3LAB_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "study").mkdir()
+    stage = slice_sh("start", "speed", env=env)
+    assert stage.count("group=pycode_speed model.n_layers=4,8") == 2
+    assert "stage finished" in slice_sh("wait", "400", env=env)
+    script = (tmp_path / "runs" / ".slice" / "stage.sh").read_text()
+    assert "K3LAB_DEVICE_SHARED=0" in script and not any(line.endswith("&") for line in script.splitlines())
+    out = tmp_path / "out"
+    out.mkdir()
+    slice_sh("collect", str(out), env=env)
+    with tarfile.open(out / "runs.tgz") as tar:
+        summaries = [json.load(tar.extractfile(n)) for n in tar.getnames() if n.endswith("summary.json")]
+    assert len(summaries) == 4 and {s["group"] for s in summaries} == {"pycode_speed"}
+    assert all(s["device_shared"] is False and s["status"] == "completed" for s in summaries)
+    assert sorted(s["n_layers"] for s in summaries) == [4, 4, 8, 8]
