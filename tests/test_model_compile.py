@@ -137,3 +137,27 @@ def test_loss_path_compiles_to_one_graph_with_the_chunked_cross_entropy():
     assert [n for n, _ in model.named_parameters()] == names
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("residual", ["block_attnres", "standard"])
+def test_k3_default_on_cuda_compiles_to_one_graph(residual):
+    """The K3 default's GPU path (Triton KDA, short-conv and AttnRes custom ops, grouped MoE dispatch,
+    QB statistics) under bf16 autocast: fullgraph=True traces the whole model as one graph, and two
+    training steps with their bias updates compile it once (benchmarks.kda_train_check compares the
+    compiled curve with eager's)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = K3Model(ModelConfig(n_layers=4, d_model=256, head_dim=64, vocab_size=VOCAB,
+                                residual=ResidualConfig(name=residual))).cuda()
+    tokens = torch.randint(0, VOCAB, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_model = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = compiled_model(tokens)
+        logits.float().square().mean().backward()
+        model.update_router_biases()
+        assert torch.isfinite(logits).all()
+    assert [len(g.graph.nodes) > 0 for g in counter.graphs].count(True) == 1
