@@ -61,7 +61,8 @@ case "${1:-}" in
   start)
     stage=${2:?stage}
     corpus
-    if [ -d "$HERE/runs" ]; then cp -rn "$HERE/runs/." "$RUNS/"; fi   # runs/<group>/<run>, as collected
+    # runs/<group>/<run>, as collected; what this machine already holds is kept
+    if [ -d "$HERE/runs" ]; then tar -C "$HERE/runs" -cf - . | tar -C "$RUNS" -xf - --skip-old-files; fi
     configs=${CONFIGS:-$(stage_configs "$stage")}
     args=$(stage_args "$stage")
     rm -f "$STATE/finished"
