@@ -76,6 +76,7 @@ class Row:
     flops_per_token: float
     peak_mb: float
     state_mb: float | None = None  # parameters, gradients and optimizer states (the rest of the peak: activations)
+    fla: Row | None = None         # with --fla: fla's row at this variant's configuration, for the ratios
 
 
 def split_variants(text: str) -> list[str]:
@@ -295,26 +296,25 @@ def peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
 
 
-def progress(row: Row, fla: Row | None = None) -> str:
+def progress(row: Row) -> str:
     """One line per finished row, so that a run stopped early still tells what it measured."""
-    vs = f" ({row.tokens_per_s / fla.tokens_per_s:.2f}x fla, {row.peak_mb / fla.peak_mb:.2f}x memory)" if fla else ""
+    vs = (f" ({row.tokens_per_s / row.fla.tokens_per_s:.2f}x fla, {row.peak_mb / row.fla.peak_mb:.2f}x memory)"
+          if row.fla else "")
     return (f"{row.variant or '(overrides only)'} / {row.path}: {row.tokens_per_s:,.0f} tokens/s, "
             f"{row.peak_mb / 1024:.2f} GiB{vs}")
 
 
-def table(rows: list[Row], header: list[str], fla_of: dict[int, Row] | None = None) -> str:
-    """The markdown table; fla_of maps id(row) to the fla row it is compared with."""
+def table(rows: list[Row], header: list[str]) -> str:
     peak = next((v for k, v in PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()),
                 None)
-    fla_of = fla_of or {}
-    extra = " ours / fla tokens/s | ours / fla memory |" if fla_of else ""
+    with_fla = any(r.fla for r in rows)
+    extra = " ours / fla tokens/s | ours / fla memory |" if with_fla else ""
     lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB | of it parameters, "
-             "gradients, optimizer states |" + extra, "|---|---|---|---|---|---|---|" + ("---|---|" if fla_of else "")]
+             "gradients, optimizer states |" + extra, "|---|---|---|---|---|---|---|" + ("---|---|" if with_fla else "")]
     for r in rows:
         mfu = f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-"
-        ref = fla_of.get(id(r))
-        ratios = (f" {r.tokens_per_s / ref.tokens_per_s:.2f} | {r.peak_mb / ref.peak_mb:.2f} |" if ref
-                  else " | |") if fla_of else ""
+        ratios = (f" {r.tokens_per_s / r.fla.tokens_per_s:.2f} | {r.peak_mb / r.fla.peak_mb:.2f} |" if r.fla
+                  else " | |") if with_fla else ""
         state = f"{r.state_mb / 1024:.2f}" if r.state_mb is not None else "-"
         lines.append(f"| {r.variant or '(overrides only)'} | {r.path} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | "
                      f"{mfu} | {r.peak_mb / 1024:.2f} | {state} |{ratios}")
@@ -342,34 +342,35 @@ def main(argv=None) -> str:
     variants = split_variants(args.variants)
     configs = [compose_config([*args.overrides, *shlex.split(v)]) for v in variants]
     first = configs[0]
-    fla_by_model: dict[str, Row] = {}   # one fla row per distinct fla model; first, so a missing package fails at once
-    fla_keys = []
+    # fla first, so that a missing package fails at once; one row per distinct fla model (the data config
+    # stands in for the vocabulary, which comes from the data)
+    fla_by_model: dict[str, Row] = {}
+    fla_of_variant: list[Row | None] = []
     for variant, cfg in zip(variants, configs):
-        # the vocabulary comes from the data, so the data config stands in for it in the key
-        fla_keys.append(repr((sorted(fla_config(cfg, 0).items()), cfg.data, cfg.optim)) if args.fla else None)
-        if args.fla and fla_keys[-1] not in fla_by_model:
-            fla_by_model[fla_keys[-1]] = fla_row(cfg, args.warmup, args.steps, variant)
-            print(f"  {progress(fla_by_model[fla_keys[-1]])}", flush=True)
+        key = repr((sorted(fla_config(cfg, 0).items()), cfg.data, cfg.optim)) if args.fla else None
+        if args.fla and key not in fla_by_model:
+            fla_by_model[key] = fla_row(cfg, args.warmup, args.steps, variant)
+            print(f"  {progress(fla_by_model[key])}", flush=True)
+        fla_of_variant.append(fla_by_model.get(key))
     rows: list[Row] = []
-    fla_of: dict[int, Row] = {}
     with tempfile.TemporaryDirectory(prefix="k3lab-step-") as tmp:
         for i, (variant, cfg) in enumerate(zip(variants, configs)):
             overrides = [*args.overrides, *shlex.split(variant)]
             for path in paths:
                 torch._dynamo.reset()
                 if path == "bare":
-                    rows.append(bare_row(variant, cfg, args.warmup, args.steps, args.profile))
+                    row = bare_row(variant, cfg, args.warmup, args.steps, args.profile)
                 else:
-                    rows.append(trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i))
-                if args.fla:
-                    fla_of[id(rows[-1])] = fla_by_model[fla_keys[i]]
-                print(f"  {progress(rows[-1], fla_of.get(id(rows[-1])))}", flush=True)
+                    row = trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i)
+                row.fla = fla_of_variant[i]
+                rows.append(row)
+                print(f"  {progress(row)}", flush=True)
     rows += fla_by_model.values()
     device = torch.cuda.get_device_name() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
-    text = table(rows, header, fla_of)
+    text = table(rows, header)
     print(text, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
