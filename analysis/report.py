@@ -378,9 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
     add_source_args(p)
     p.add_argument("--out", required=True, help="report folder (report.md, figures, ablation.csv)")
-    p.add_argument("--speed", nargs="+", default=[], metavar="PATH",
-                   help="timing runs, each option alone on its GPU: the headline's throughput ratio where the "
-                        "ablation's runs shared a GPU (summary.json's device_shared)")
+    p.add_argument("--speed", action="append", default=[], metavar="PATH",
+                   help="timing runs (repeatable), each option alone on its GPU: the headline's throughput ratio "
+                        "where the ablation's runs shared a GPU (summary.json's device_shared)")
     p.add_argument("--title", default=None)
     add_ablation_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
@@ -412,6 +412,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
             df = scaling_table_from_args(args)
         else:
             col = collect(args.paths, verbose=True)
+        speed_runs = collect(args.speed, curves=False).runs if args.speed else None
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise SystemExit(f"analysis.report: {e}") from None
     out = Path(args.out)
@@ -443,11 +444,10 @@ def main(argv: Optional[list[str]] = None) -> Path:
             mult = section_multipliers(rep, df, args)
         if table is not None:
             speed = None
-            if args.speed:
-                runs = collect(args.speed, curves=False).runs
-                speed = table_from_args(runs, argparse.Namespace(**{**vars(args), "tune": False}))
-                rep.add(f"Throughput where the ablation's runs shared a GPU: from the {len(runs)} timing runs "
-                        f"of {' '.join(args.speed)}.")
+            if speed_runs is not None:
+                speed = table_from_args(speed_runs, argparse.Namespace(**{**vars(args), "tune": False}))
+                rep.add(f"Throughput where the ablation's runs shared a GPU: from the {len(speed_runs)} timing "
+                        f"runs of {' '.join(args.speed)}.")
             section_headline(rep, headline_at, table, mult, speed)
     path = rep.write()
     print(f"report: {path}")
