@@ -28,8 +28,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from k3lab.errors import ConfigError, UserError
-from k3lab.sweep import DEVICE_SHARED_ENV
 from k3lab.fileio import atomic_write, atomic_write_text, remove_stale_temps
+from k3lab.sweep import DEVICE_SHARED_ENV
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
