@@ -10,8 +10,10 @@ except for
     through summary.json's tokens_per_step);
   - the keys under comparison: S's own group (config.S.*, the option and its settings, e.g. balance.gamma)
     and, in a tuned comparison, the tuned hyperparameters (TUNED: optim.lr, optim.adam_lr, optim.lr_scale);
-and their summary columns in `match` (model, size, data, tokens, global batch) are equal. A run differing
-in anything else is in another cell; the table names each cell by the keys in which the cells of a switch
+and their summary columns in `match` (model, size, data, run length, global batch) are equal. The run
+length is the rule that set it when a rule did (train.tokens_per_param or train.flop_budget: two options
+of different sizes at 5 tokens per parameter train different token counts by design and still share a
+cell), else the token count. A run differing in anything else is in another cell; the table names each cell by the keys in which the cells of a switch
 differ (`cell`), so nothing is pooled silently.
 
 Rows. In a cell, the runs of one option with one setting of the compared keys make one row: an LR grid is
@@ -55,8 +57,9 @@ from analysis.switches import K3_DEFAULT, SWITCH_OPTIONS, SWITCHES
 # The baseline of an ablation: the K3 default of each switch (the first option of each group).
 DEFAULT_BASELINE = K3_DEFAULT
 # summary.json columns that must be equal for two runs to be compared: the model config and its size (a
-# ladder shares one config name across depths), the data, the training length and the global batch.
-DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "tokens", "tokens_per_step")
+# ladder shares one config name across depths), the data, the training length (run_length) and the global
+# batch.
+DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "length", "tokens_per_step")
 # config.yaml keys (and key prefixes) that never make two runs different cells: the seed and the run's
 # bookkeeping. Everything else in config.yaml does, except the keys under comparison.
 BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels", "logger",
@@ -69,6 +72,20 @@ ALPHA, POWER = 0.05, 0.8
 # config keys shown by a summary column of DEFAULT_MATCH already (left out of the cell names)
 _SHOWN = {"config.model.name": "model", "config.model.n_layers": "n_layers", "config.model.d_model": "d_model",
           "config.data.name": "data"}
+
+
+def run_length(runs: pd.DataFrame) -> pd.Series:
+    """What fixed each run's length, as a label: '5 tokens per parameter' or '1e+18 FLOPs' where the rule
+    in summary.json's length_from set it, else the token count ('32964608 tokens')."""
+    def label(r):
+        rule = r.get("length_from")
+        if rule == "tokens_per_param":
+            return f"{r['tokens_per_param']:g} tokens per parameter"
+        if rule == "flop_budget":
+            return f"{r['flop_budget']:.4g} FLOPs"
+        return f"{r['tokens']:.0f} tokens" if pd.notna(r.get("tokens")) else "unknown length"
+
+    return runs.apply(label, axis=1) if len(runs) else pd.Series(dtype=str)
 
 
 def effective_baseline(runs: pd.DataFrame, baseline: Optional[dict] = None,
@@ -318,7 +335,7 @@ def _mean(g: pd.DataFrame, col: str) -> float:
 
 TABLE_COLUMNS = ["switch", "option", "baseline", "cell", "rate", "setting", "grid_edge", "n", "seeds", "mean",
                  "std", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "test", "mde",
-                 "verdict", "warnings", "N", "N_rel", "flops_per_token", "flops_rel", "tokens_per_s",
+                 "verdict", "warnings", "N", "N_rel", "tokens", "flops_per_token", "flops_rel", "tokens_per_s",
                  "tokens_per_s_rel", "run_ids"]
 
 
@@ -339,6 +356,8 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
     if metric not in runs.columns:
         raise KeyError(f"metric {metric!r} not in the runs table; choose one of {sorted(map(str, runs.columns))}")
     ref, notes = effective_baseline(runs, baseline, switches)
+    if "length" not in runs.columns and "tokens" in runs.columns:
+        runs = runs.assign(length=run_length(runs))
     match = [c for c in (DEFAULT_MATCH if match is None else match) if c in runs.columns]
     runs = runs[runs[metric].notna()]
     is_tune: Callable[[pd.Series], pd.Series] = (
@@ -393,7 +412,7 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
                     row = {"switch": s, "option": opt, "baseline": r, **where, "cell": cell_name,
                            "rate": _rate(g, tuned_cols, strip), "setting": setting, "grid_edge": edge}
                     rows.append(_fill(row, g, base_rows, opt == r, metric, level, n_col, extra))
-    table = pd.DataFrame(rows, columns=[*TABLE_COLUMNS[:3], *match, *TABLE_COLUMNS[3:]])
+    table = pd.DataFrame(rows, columns=[*TABLE_COLUMNS[:3], *match, *(c for c in TABLE_COLUMNS[3:] if c not in match)])
     table["p_holm"] = holm(table["p_value"]) if len(table) else []
     table["verdict"] = [_verdict(t) for t in table.itertuples()]
     table.attrs.update(notes=notes, metric=metric, tune=tune, n_comparisons=int(table["p_value"].notna().sum()),
@@ -453,7 +472,7 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
     warnings += [f"seed {k} run {v} times (averaged)" for k, v in repeats.items()]
     if row["grid_edge"]:
         warnings.append(f"best rate at the grid edge ({row['grid_edge']})")
-    row.update(N=_mean(g, n_col), flops_per_token=_mean(g, "flops_per_token"),
+    row.update(N=_mean(g, n_col), tokens=_mean(g, "tokens"), flops_per_token=_mean(g, "flops_per_token"),
                tokens_per_s=_mean(g, "tokens_per_s_median"), run_ids=";".join(g["run_id"]) if "run_id" in g else "")
     nan = {"delta": np.nan, "delta_lo": np.nan, "delta_hi": np.nan, "p_value": np.nan, "mde": np.nan}
     if is_base:

@@ -308,6 +308,26 @@ def test_sizes_of_one_model_config_are_separate_cells():
     assert swiglu["delta"].tolist() == pytest.approx([0.05, 0.05])
 
 
+def test_runs_sized_by_tokens_per_parameter_share_a_cell_across_option_sizes():
+    """Under train.tokens_per_param an option with more parameters trains more tokens by design: it is
+    compared with the baseline at the same rule. Runs whose lengths were given as steps match on tokens."""
+    base = {"decay": "sigmoid", "glu": "situ", "balance": "qb", "optim": "muon_per_head",
+            "residual": "block_attnres", "moe": "latent_norm", "mixer": "hybrid", "model": "ladder",
+            "data": "tokens", "n_layers": 4, "d_model": 256, "tokens_per_step": 32768, "seed": 0}
+    by_rule = [dict(base, residual=r, tokens=t, length_from="tokens_per_param", tokens_per_param=5,
+                    flop_budget=None, loss_val_final=2.2 + (0.01 if r == "standard" else 0))
+               for r, t in (("block_attnres", 32964608), ("standard", 32931840))]
+    table = ablation_table(pd.DataFrame(by_rule))
+    row = table[(table["switch"] == "residual") & (table["option"] == "standard")].iloc[0]
+    assert row["length"] == "5 tokens per parameter" and row["tokens"] == 32931840
+    assert row["delta"] == pytest.approx(0.01)
+
+    by_steps = [dict(r, length_from="max_steps", tokens_per_param=None) for r in by_rule]
+    table = ablation_table(pd.DataFrame(by_steps))
+    assert not (table["switch"] == "residual").any()
+    assert any("not compared" in n for n in table.attrs["notes"])
+
+
 # --------------------------------------------------------------------------------------------------
 # Cells: the whole config but the seed, the bookkeeping and the keys compared
 # --------------------------------------------------------------------------------------------------
