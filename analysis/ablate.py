@@ -39,6 +39,7 @@ throughput (summary tokens_per_s_median) relative to the baseline's.
 
     python -m analysis.ablate runs/abl --metric loss_val_final --md abl.md --csv abl.csv --plot abl
     python -m analysis.ablate runs/tune_moe --tune                      # each option at its own best rate
+    python -m analysis.ablate runs/tune_moe --tune --next               # only the commands to run next
 """
 from __future__ import annotations
 
@@ -298,26 +299,36 @@ def _rate(g: pd.DataFrame, tuned_cols: Sequence[str], strip: str) -> str:
     return ", ".join(parts)
 
 
-def _edges(chosen: tuple, keys: Sequence[tuple], cols: Sequence[str], strip: str) -> str:
-    """Which numeric keys of the chosen setting sit at the lowest or highest value of the grid tried."""
-    out = []
+def _edges(chosen: tuple, keys: Sequence[tuple], cols: Sequence[str], strip: str) -> tuple[str, dict]:
+    """Which numeric keys of the chosen setting sit at the lowest or highest value of the grid tried, in
+    words, and the next value beyond each edge ({config key: value}), one geometric step of the grid's
+    (the edge value times edge / its neighbour: 0.5 of 0.5, 1, 2 gives 0.25)."""
+    out, beyond = [], {}
     for j in _differing(keys, cols):
-        vals = [k[j] for k in keys if isinstance(k[j], (int, float)) and not isinstance(k[j], bool)]
-        if len(set(vals)) < 2 or not isinstance(chosen[j], (int, float)):
+        vals = sorted({k[j] for k in keys if isinstance(k[j], (int, float)) and not isinstance(k[j], bool)})
+        if len(vals) < 2 or not isinstance(chosen[j], (int, float)):
             continue
-        where = "lowest" if chosen[j] == min(vals) else "highest" if chosen[j] == max(vals) else None
+        where = "lowest" if chosen[j] == vals[0] else "highest" if chosen[j] == vals[-1] else None
         if where:
-            out.append(f"{cols[j].removeprefix(strip)} at the {where} of {len(set(vals))} values")
-    return "; ".join(out)
+            out.append(f"{cols[j].removeprefix(strip)} at the {where} of {len(vals)} values")
+            neighbour = vals[1] if where == "lowest" else vals[-2]
+            if neighbour:
+                beyond[cols[j].removeprefix("config.")] = chosen[j] * chosen[j] / neighbour
+    return "; ".join(out), beyond
 
 
-def _command(g: pd.DataFrame, report_seeds: str) -> str:
-    """The command that runs `report_seeds` at this row's setting: a tuning run's overrides with the seed
-    replaced (a sweep's own parameters are overridden by the same keys on the command line)."""
+def _command(g: pd.DataFrame, seeds: str, values: Optional[dict] = None) -> str:
+    """The command that runs `seeds` at this row's setting, with `values` ({config key: value}) replaced
+    or added: a tuning run's overrides with the seed replaced (a sweep's own parameters are overridden by
+    the same keys on the command line)."""
     if "overrides" not in g or g["overrides"].isna().all():
         return ""
+    values = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in (values or {}).items()}
     items = [o for o in json.loads(g["overrides"].dropna().iloc[0]) if not o.startswith("seed=")]
-    return "python run.py -m " + " ".join(shlex.quote(o) for o in [*items, f"seed={report_seeds}"])
+    items = [f"{o.split('=', 1)[0]}={values.pop(o.split('=', 1)[0])}" if o.split("=", 1)[0] in values else o
+             for o in items]
+    items += [f"{k}={v}" for k, v in values.items()]
+    return "python run.py -m " + " ".join(shlex.quote(o) for o in [*items, f"seed={seeds}"])
 
 
 def _shared_device(g: pd.DataFrame) -> bool:
@@ -421,13 +432,23 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
 
 
 TUNING_COLUMNS = ["switch", "cell", "option", "setting", "rate", "n_tune", "mean_tune", "chosen", "grid_edge",
-                  "command"]
+                  "command", "widen"]
 
 
 def tuning_table(table: pd.DataFrame) -> pd.DataFrame:
     """Every setting a tuned comparison tried: its tuning-seed count and mean, which one was chosen, whether
-    it sits at a grid edge, and the command that runs the reported seeds at the chosen setting."""
+    it sits at a grid edge, the command that runs the reported seeds at the chosen setting and, at an
+    edge, the command that widens the grid by one point beyond it on the tuning seeds (`widen`)."""
     return pd.DataFrame(table.attrs.get("tuning", []), columns=TUNING_COLUMNS)
+
+
+def next_commands(table: pd.DataFrame) -> list[str]:
+    """What a tuned study runs next, one command per configuration (the baseline once): the grid widened
+    where the chosen setting sits at its edge, else the reported seeds at the chosen setting. Run the
+    printed commands until every choice is inside its grid; sweeps skip the runs already done."""
+    tuning = tuning_table(table)
+    chosen = tuning[tuning["chosen"].astype(bool)]
+    return list(dict.fromkeys(w if w else c for w, c in zip(chosen["widen"], chosen["command"]) if w or c))
 
 
 def _pick_tuned(s, opt, cell_name, settings, setting_cols, vary, tuned_cols, metric, is_tune, strip, report_seeds,
@@ -447,11 +468,13 @@ def _pick_tuned(s, opt, cell_name, settings, setting_cols, vary, tuned_cols, met
                  "not compared at a chosen setting") for k, g in settings]
     best = min(range(len(cands)), key=lambda i: cands[i][2])
     keys = [c[0] for c in cands]
-    edge = _edges(cands[best][0], keys, setting_cols, strip)
+    edge, beyond = _edges(cands[best][0], keys, setting_cols, strip)
     for i, (k, g, m, nt) in enumerate(cands):
+        tune_seeds = ",".join(map(str, sorted(g.loc[is_tune(g["seed"]), "seed"].unique())))
         tuning.append({"switch": s, "cell": cell_name, "option": opt, "setting": _label(k, setting_cols, vary, strip),
                        "rate": _rate(g, tuned_cols, strip), "n_tune": nt, "mean_tune": m, "chosen": i == best,
-                       "grid_edge": edge if i == best else "", "command": _command(g, report_seeds) if i == best else ""})
+                       "grid_edge": edge if i == best else "", "command": _command(g, report_seeds) if i == best else "",
+                       "widen": _command(g, tune_seeds, beyond) if i == best and beyond else ""})
     k, g, _, _ = cands[best]
     reported = g[~is_tune(g["seed"])]
     extra = "" if len(cands) > 1 else "one setting tried (not tuned)"
@@ -709,9 +732,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--md", help="write the table as Markdown here")
     p.add_argument("--csv", help="write the full table as CSV here")
     p.add_argument("--plot", help="write the delta point plot here (path stem; .png and .svg)")
+    p.add_argument("--next", action="store_true",
+                   help="with --tune: print only the commands to run next, one per line (next_commands)")
     args = p.parse_args(argv)
+    if args.next and not args.tune:
+        raise SystemExit("--next lists what a tuned comparison runs next: add --tune")
     try:
-        col = collect(args.paths, verbose=True, curves=False)
+        col = collect(args.paths, verbose=not args.next, curves=False)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"analysis.ablate: {e}") from None
     if col.runs.empty:
@@ -719,6 +746,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     table = table_from_args(col.runs, args)
     if table.empty:
         raise SystemExit("no switch has runs that differ from the baseline in that switch only")
+    if args.next:
+        print("\n".join(next_commands(table)))
+        return
     print_ablation(table)
     tuning = tuning_table(table)
     if not tuning.empty:

@@ -13,7 +13,8 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import ablation_table, headline, holm, mde_paired, mde_welch, tuning_table, variant_labels
+from analysis.ablate import (ablation_table, headline, holm, mde_paired, mde_welch, next_commands, tuning_table,
+                             variant_labels)
 from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
 from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
                               flops_per_param_token, fit_loss_vs_compute, huber_lse_objective, init_grid,
@@ -423,6 +424,22 @@ def test_tuning_before_the_reported_seeds_prints_their_commands(tmp_path):
     assert (tab["n"] == 0).all() and tab.loc["dense_matched", "verdict"] == "no runs to compare"
     assert ("no reported seeds at the chosen setting yet: python run.py -m moe=dense_matched optim.lr=0.012 "
             "optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2") in tab.loc["dense_matched", "warnings"]
+
+
+def test_a_choice_at_the_grid_edge_widens_the_grid_before_its_seeds_run(tmp_path):
+    """next_commands: dense_matched's best lr is the grid's highest, so it runs one geometric step beyond
+    on the tuning seed first; latent_norm's is inside, so its reported seeds run. Once the wider point is
+    worse, dense_matched's seeds run at the old edge."""
+    write_lr_grid(tmp_path, "moe", OPTIMA, report_all=False)
+    runs = collect([tmp_path], curves=False).runs
+    assert next_commands(ablation_table(runs, tune=True)) == [
+        "python run.py -m moe=latent_norm optim.lr=0.006 optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2",
+        "python run.py -m moe=dense_matched optim.lr=0.024 optim.adam_lr=0.01 sweep=tune_moe seed=1000"]
+    write_lr_grid(tmp_path, "moe", {"dense_matched": OPTIMA["dense_matched"]}, lrs=(0.024,), adam_lrs=(0.01,),
+                  report_all=False)
+    runs = collect([tmp_path], curves=False).runs
+    assert next_commands(ablation_table(runs, tune=True))[1] == (
+        "python run.py -m moe=dense_matched optim.lr=0.012 optim.adam_lr=0.01 sweep=tune_moe seed=0,1,2")
 
 
 def test_optimizers_are_tuned_on_their_own_rates(tmp_path):
