@@ -1,6 +1,7 @@
 """results/pycode_study/slice.sh on the CPU, at a stand-in size: a stage starts detached and returns, `wait`
 sees it finish, `collect` packs the run directories without checkpoints, the corpus identity is recorded;
-started again on a fresh run folder with the collected runs put back, the stage skips every run."""
+started again on a fresh run folder with the collected runs put back, the stage skips every run; stage
+`next` runs what the tuning says comes next and stage `ladder` refuses a configuration with no tuned rate."""
 import json
 import os
 import subprocess
@@ -13,11 +14,11 @@ TINY = ("trainer=cpu model.aspect=16 model.head_dim=16 data.seq_len=32 data.batc
         "optim.warmup_steps=1")
 
 
-def slice_sh(*args: str, env: dict) -> str:
+def slice_sh(*args: str, env: dict, check: bool = True) -> str:
     done = subprocess.run(["bash", "results/pycode_study/slice.sh", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    assert (done.returncode == 0) == check, done.stdout + done.stderr
+    return done.stdout + ("" if check else done.stderr)
 
 
 def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tmp_path):
@@ -50,6 +51,18 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
     logs = "".join(p.read_text() for p in (tmp_path / "runs2" / ".slice").glob("log.*"))
     assert logs.count("completed already, skipped") == 6, logs[-2000:]
 
+    # what comes next: per configuration, one point beyond the grid's edge (the tuning seed) or the reported seeds
+    started = slice_sh("start", "next", env=env)
+    multiruns = [line for line in started.splitlines() if line.startswith("python3 run.py -m")]
+    assert len(multiruns) == 2 and sum("decay=softplus" in m for m in multiruns) == 1
+    for m in multiruns:
+        scale = float(m.split("optim.lr_scale=")[1].split()[0])
+        assert (m.split("seed=")[1].split()[0], scale in (0.5, 1, 2)) in (("1000", False), ("0,1,2", True)), m
+    assert "stage finished" in slice_sh("wait", "400", env=env)
+    # the ladder needs residual's rows, which this stand-in tuning (the default and softplus) lacks
+    refused = slice_sh("start", "ladder", "5", env=env, check=False)
+    assert "ladder: residual=block_attnres has no rate inside its grid yet" in refused
+
 
 def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_path):
     """Stage `speed`: one multirun after another (each run alone on the GPU, device_shared false), at the
@@ -58,8 +71,9 @@ def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_pa
            "RUNS": str(tmp_path / "runs"), "PREPARE": "--source python-code --max-docs 80 --vocab-size 300 --workers 1",
            "EXTRA": TINY, "CONFIGS": "\ndecay=softplus", "OMP_NUM_THREADS": "1", "K3LAB_CACHE": str(tmp_path / "cache")}
     (tmp_path / "study").mkdir()
+    assert "0 runs completed\nstage still running" in slice_sh("wait", "1", env=env)  # nothing has run yet
     stage = slice_sh("start", "speed", env=env)
-    assert stage.count("group=pycode_speed model.n_layers=4,8") == 2
+    assert stage.count("group=pycode_speed model.n_layers=4,7") == 2
     assert "stage finished" in slice_sh("wait", "400", env=env)
     script = (tmp_path / "runs" / ".slice" / "stage.sh").read_text()
     assert "K3LAB_DEVICE_SHARED=0" in script and not any(line.endswith("&") for line in script.splitlines())
@@ -70,4 +84,4 @@ def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_pa
         summaries = [json.load(tar.extractfile(n)) for n in tar.getnames() if n.endswith("summary.json")]
     assert len(summaries) == 4 and {s["group"] for s in summaries} == {"pycode_speed"}
     assert all(s["device_shared"] is False and s["status"] == "completed" for s in summaries)
-    assert sorted(s["n_layers"] for s in summaries) == [4, 4, 8, 8]
+    assert sorted(s["n_layers"] for s in summaries) == [4, 4, 7, 7]

@@ -1,16 +1,22 @@
 #!/bin/bash
 # One slice of device time for the pycode study (PLAN.md), run from the repository root:
 #   bash results/pycode_study/slice.sh start tune      # corpus, completed runs put back, stage started detached
-#   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 8)
+#   bash results/pycode_study/slice.sh start next      # what the tuning says comes next (analysis.ablate --next)
+#   bash results/pycode_study/slice.sh start ladder 5  # the ladder's configurations at depth 5 (or "6,8")
+#   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7)
 #   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the stage, printing progress
 #   bash results/pycode_study/slice.sh collect "$OUT"  # the run directories, without checkpoints, as one tarball
 # `start` returns at once: the stage's runs go on in their own process session, so one stage can outlast a
 # call and later calls of the same held machine `wait` on it. A stage's sweeps skip the runs already
 # completed in results/pycode_study/runs/<group>/ (copied into place first) and resume killed ones, so a
-# stage started again only trains what is left.
+# stage started again only trains what is left. Stage `next`: per configuration, one more tuning point
+# beyond the grid's edge where the best rate sits there, else the reported seeds at the chosen rate; start
+# it again once those finish. Stage `ladder`: the K3 default, residual=standard and optim=adamw at their
+# chosen rates (each must be inside its grid), seed 0.
 # Environment: STUDY (the study folder, default results/pycode_study), CORPUS (/tmp/pycode8k), RUNS
-# (/tmp/runs), PREPARE (the prepare arguments), EXTRA (overrides added to every run), CONFIGS (the stage's
-# configurations, one per line; default: the stage's). tests/test_study_slice.py runs it on the CPU so.
+# (/tmp/runs), PREPARE (the prepare arguments), EXTRA (overrides added to every run), CONFIGS (the tune and
+# speed stages' configurations, one per line; default: the stage's). tests/test_study_slice.py runs it on
+# the CPU so.
 set -euo pipefail
 HERE=${STUDY:-results/pycode_study}
 CORPUS=${CORPUS:-/tmp/pycode8k}
@@ -22,7 +28,7 @@ mkdir -p "$RUNS/pycode_study" "$STATE"
 
 corpus() {  # build the shards once per machine; every slice must read the corpus slice 1 read
   [ -f "$CORPUS/meta.json" ] || python3 -m k3lab.data.prepare $PREPARE --out "$CORPUS"
-  python3 - "$CORPUS/meta.json" "$HERE/corpus.json" <<'PY'
+  python3 - "$CORPUS/meta.json" "$HERE/corpus.json" "$STATE/corpus.json" <<'PY'
 import json, sys
 from pathlib import Path
 meta = json.loads(Path(sys.argv[1]).read_text())
@@ -33,28 +39,59 @@ identity = {"sha256": src["sha256"], "documents": src["documents"], "bytes": src
 known = Path(sys.argv[2])
 if known.exists() and json.loads(known.read_text()) != identity:
     sys.exit(f"corpus differs from {known}: {identity} against {known.read_text()}")
-known.write_text(json.dumps(identity, indent=2) + "\n")
+for path in (known, *map(Path, sys.argv[3:])):  # the study's record, and the copy `collect` sends back
+    path.write_text(json.dumps(identity, indent=2) + "\n")
 print("corpus:", identity)
 PY
 }
 
 stage_configs() {  # one configuration per line: the overrides that make it (empty: the K3 default)
-  case "$1" in
-    tune|speed) printf '%s\n' "" decay=softplus glu=swiglu balance=sign optim=muon residual=standard optim=adamw ;;
-    *) echo "unknown stage $1 (valid: tune, speed)" >&2; exit 2 ;;
-  esac
+  printf '%s\n' "" decay=softplus glu=swiglu balance=sign optim=muon residual=standard optim=adamw
 }
 
-stage_args() {  # the sweep of each configuration
+stage_args() {  # the sweep of each configuration in stages tune and speed
   case "$1" in
     tune) echo "optim.lr_scale=0.5,1,2 seed=1000" ;;
     # timing runs, each alone on the GPU, for the headline's throughput ratio (analysis.report --speed)
-    speed) echo "group=pycode_speed model.n_layers=4,8 train.tokens_per_param=null train.max_steps=150 train.val_every=150 seed=0" ;;
+    speed) echo "group=pycode_speed model.n_layers=4,7 train.tokens_per_param=null train.max_steps=150 train.val_every=150 seed=0" ;;
+  esac
+}
+
+stage_commands() {  # one run.py -m argument list per line: one multirun each
+  case "$1" in
+    tune|speed)
+      args=$(stage_args "$1")
+      while IFS= read -r config; do
+        echo "experiment=pycode_study data.path=$CORPUS out_dir=$RUNS $config $args"
+      done <<< "${CONFIGS:-$(stage_configs)}" ;;
+    next)
+      python3 -m analysis.ablate "$RUNS/pycode_study" --tune --tuned optim.lr_scale --next | sed 's/^python run.py -m //' ;;
+    ladder)
+      python3 - "$RUNS/pycode_study" "${2:?depths, e.g. 5 or 6,8}" <<'PY'
+import sys
+from analysis.ablate import ablation_table, tuning_table
+from analysis.collect import collect
+
+LADDER = (("residual", "block_attnres"), ("residual", "standard"), ("optim", "adamw"))  # the K3 default first
+tuning = tuning_table(ablation_table(collect([sys.argv[1]], curves=False).runs, tune=True, tuned=["optim.lr_scale"]))
+for switch, option in LADDER:
+    row = tuning[(tuning["switch"] == switch) & (tuning["option"] == option) & tuning["chosen"].astype(bool)]
+    if row.empty or row["widen"].iloc[0]:
+        sys.exit(f"ladder: {switch}={option} has no rate inside its grid yet; run stage next until it has")
+    overrides = row["command"].iloc[0].removeprefix("python run.py -m ").rsplit(" seed=", 1)[0]
+    print(f"{overrides} model.n_layers={sys.argv[2]} seed=0")
+PY
+      ;;
+    *) echo "unknown stage $1 (valid: tune, next, ladder DEPTHS, speed)" >&2; exit 2 ;;
   esac
 }
 
 stage_concurrent() {  # 1: the stage's multiruns share the GPU at once; 0: one after another, each alone
   case "$1" in speed) echo 0 ;; *) echo 1 ;; esac
+}
+
+completed() {  # how many runs under $RUNS have finished
+  find "$RUNS" -mindepth 3 -maxdepth 3 -name summary.json -exec grep -l '"status": "completed"' {} + 2>/dev/null | wc -l
 }
 
 case "${1:-}" in
@@ -63,20 +100,19 @@ case "${1:-}" in
     corpus
     # runs/<group>/<run>, as collected; what this machine already holds is kept
     if [ -d "$HERE/runs" ]; then tar -C "$HERE/runs" -cf - . | tar -C "$RUNS" -xf - --skip-old-files; fi
-    configs=${CONFIGS:-$(stage_configs "$stage")}
-    args=$(stage_args "$stage")
+    commands=$(stage_commands "$stage" "${3:-}")
+    [ -n "$commands" ] || { echo "stage $stage: nothing to run"; exit 0; }
     rm -f "$STATE/finished"
-    # one multirun per configuration, all at once on the one GPU; the stage ends when all have
-    # several processes compile at once: a few compile workers each instead of one per core each
+    # several processes compile at once: a few compile workers each instead of one per core each;
     # concurrent runs' tokens/s are not their own: summary.json says device_shared, and the analysis takes no
     # throughput ratio from them
     concurrent=$(stage_concurrent "$stage")
     { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2} K3LAB_DEVICE_SHARED=$concurrent"
       i=0
-      while IFS= read -r config; do
+      while IFS= read -r args; do
         i=$((i + 1))
-        echo "python3 run.py -m experiment=pycode_study data.path=$CORPUS out_dir=$RUNS $config $args $EXTRA > $STATE/log.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
-      done <<< "$configs"
+        echo "python3 run.py -m $args $EXTRA > $STATE/log.$stage.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
+      done <<< "$commands"
       echo "wait; touch $STATE/finished"; } > "$STATE/stage.sh"
     grep -o '^python3[^>]*' "$STATE/stage.sh"
     setsid bash "$STATE/stage.sh" > /dev/null 2>&1 < /dev/null &
@@ -87,16 +123,15 @@ case "${1:-}" in
     t0=$SECONDS
     while [ ! -f "$STATE/finished" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
       sleep 10
-      done_runs=$(grep -l '"status": "completed"' "$RUNS"/*/*/summary.json 2>/dev/null | wc -l)
-      echo "$((SECONDS - t0)) s: $done_runs runs completed"
+      echo "$((SECONDS - t0)) s: $(completed) runs completed"
     done
     [ -f "$STATE/finished" ] && echo "stage finished" || echo "stage still running"
     ;;
   collect)
     out=${2:?folder}
     tar --exclude=checkpoints --exclude=.sweep --exclude=.slice -czf "$out/runs.tgz" -C "$RUNS" .
-    cp "$HERE/corpus.json" "$out/corpus.json"
+    cp "$STATE/corpus.json" "$out/corpus.json"
     ls -la "$out"
     ;;
-  *) sed -n 2,14p "$0"; exit 2 ;;
+  *) sed -n 2,20p "$0"; exit 2 ;;
 esac
