@@ -16,7 +16,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
-  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak).
+  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak). A
+  compiled row also prints how many graphs dynamo compiled and its graph breaks with their reasons.
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps steps into a temporary run directory,
   logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
   checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
@@ -55,7 +56,7 @@ import torch._dynamo
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from k3lab.config import DataConfig, ModelConfig, OptimConfig, model_config, typed
+from k3lab.config import DataConfig, ModelConfig, OptimConfig, compile_mode, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
 from k3lab.lit import PEAK_FLOPS
@@ -169,6 +170,7 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     device = device_of(cfg)
     reset_peak(device)
     torch.manual_seed(cfg.seed)
+    torch._dynamo.utils.counters.clear()
     dm, batches = training_batches(cfg, warmup + steps + profile, device)
     dtype, autocast = precision_of(cfg, device)
     model = K3Model(model_config(cfg, dm.vocab_size)).to(device=device, dtype=dtype)
@@ -191,12 +193,24 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
         model.update_router_biases()
 
     seconds = timed(step, warmup, steps, device)
+    if compile_mode(cfg):
+        print(f"  {variant or '(overrides only)'} / bare: {compiled_graphs()}", flush=True)
     row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device),
               state_mb(model, opt))
     if profile:
         print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
               flush=True)
     return row
+
+
+def compiled_graphs() -> str:
+    """What dynamo made of the step so far: graphs compiled and graph breaks, with the commonest reasons
+    (a model that compiles whole is one graph for the forward; a break splits it and runs the frame
+    around it eagerly)."""
+    counters = torch._dynamo.utils.counters
+    breaks = counters["unimplemented"]
+    reasons = "".join(f"\n    {n} x {reason.splitlines()[0]}" for reason, n in breaks.most_common(3))
+    return f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{reasons}"
 
 
 def profile_table(step, n: int, device: torch.device, rows: int = 30) -> str:
