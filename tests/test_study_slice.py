@@ -71,11 +71,15 @@ def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_pa
            "RUNS": str(tmp_path / "runs"), "PREPARE": "--source python-code --max-docs 80 --vocab-size 300 --workers 1",
            "EXTRA": TINY, "CONFIGS": "\ndecay=softplus", "OMP_NUM_THREADS": "1", "K3LAB_CACHE": str(tmp_path / "cache")}
     (tmp_path / "study").mkdir()
-    assert "0 runs completed\nstage still running" in slice_sh("wait", "1", env=env)  # nothing has run yet
+    state = tmp_path / "runs" / ".slice"
+    state.mkdir(parents=True)
+    (state / "running.tune").touch()  # a stage whose runs have not finished: none completed yet
+    assert "10 s: 0 runs completed\nstill running: tune" in slice_sh("wait", "1", env=env)
+    (state / "running.tune").unlink()
     stage = slice_sh("start", "speed", env=env)
     assert stage.count("group=pycode_speed model.n_layers=4,7") == 2
     assert "stage finished" in slice_sh("wait", "400", env=env)
-    script = (tmp_path / "runs" / ".slice" / "stage.sh").read_text()
+    script = (state / "stage.speed.sh").read_text()
     assert "K3LAB_DEVICE_SHARED=0" in script and not any(line.endswith("&") for line in script.splitlines())
     out = tmp_path / "out"
     out.mkdir()

@@ -4,7 +4,7 @@
 #   bash results/pycode_study/slice.sh start next      # what the tuning says comes next (analysis.ablate --next)
 #   bash results/pycode_study/slice.sh start ladder 5  # the ladder's configurations at depth 5 (or "6,8")
 #   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7)
-#   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the stage, printing progress
+#   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the started stages, printing progress
 #   bash results/pycode_study/slice.sh collect "$OUT"  # the run directories, without checkpoints, as one tarball
 # `start` returns at once: the stage's runs go on in their own process session, so one stage can outlast a
 # call and later calls of the same held machine `wait` on it. A stage's sweeps skip the runs already
@@ -102,30 +102,35 @@ case "${1:-}" in
     if [ -d "$HERE/runs" ]; then tar -C "$HERE/runs" -cf - . | tar -C "$RUNS" -xf - --skip-old-files; fi
     commands=$(stage_commands "$stage" "${3:-}")
     [ -n "$commands" ] || { echo "stage $stage: nothing to run"; exit 0; }
-    rm -f "$STATE/finished"
+    name=$stage${3:-}  # e.g. ladder5: stages of different names may run at the same time
+    [ -f "$STATE/running.$name" ] && { echo "stage $name is running already" >&2; exit 2; }
     # several processes compile at once: a few compile workers each instead of one per core each;
     # concurrent runs' tokens/s are not their own: summary.json says device_shared, and the analysis takes no
     # throughput ratio from them
     concurrent=$(stage_concurrent "$stage")
+    script=$STATE/stage.$name.sh
     { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2} K3LAB_DEVICE_SHARED=$concurrent"
       i=0
       while IFS= read -r args; do
         i=$((i + 1))
-        echo "python3 run.py -m $args $EXTRA > $STATE/log.$stage.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
+        echo "python3 run.py -m $args $EXTRA > $STATE/log.$name.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
       done <<< "$commands"
-      echo "wait; touch $STATE/finished"; } > "$STATE/stage.sh"
-    grep -o '^python3[^>]*' "$STATE/stage.sh"
-    setsid bash "$STATE/stage.sh" > /dev/null 2>&1 < /dev/null &
-    echo "started stage $stage: $(grep -c '^python3' "$STATE/stage.sh") multiruns, logs in $STATE/"
+      echo "wait; rm -f $STATE/running.$name"; } > "$script"
+    grep -o '^python3[^>]*' "$script"
+    touch "$STATE/running.$name"
+    setsid bash "$script" > /dev/null 2>&1 < /dev/null &
+    echo "started stage $name: $(grep -c '^python3' "$script") multiruns, logs in $STATE/"
     ;;
   wait)
     limit=${2:?seconds}
     t0=$SECONDS
-    while [ ! -f "$STATE/finished" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
+    running() { compgen -G "$STATE/running.*" > /dev/null; }
+    while running && [ $((SECONDS - t0)) -lt "$limit" ]; do
       sleep 10
       echo "$((SECONDS - t0)) s: $(completed) runs completed"
     done
-    [ -f "$STATE/finished" ] && echo "stage finished" || echo "stage still running"
+    if running; then echo "still running: $(cd "$STATE" && ls running.* | sed 's/^running.//' | tr '\n' ' ')"
+    else echo "stage finished"; fi
     ;;
   collect)
     out=${2:?folder}
