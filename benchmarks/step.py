@@ -16,9 +16,10 @@ empty set, or none given, is the positional overrides alone). For each variant:
   (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
-  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak). A
-  compiled row also prints how many graphs dynamo compiled and its graph breaks with their reasons.
-- trainer: k3lab.train.train, what run.py runs, for warmup + steps steps into a temporary run directory,
+  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak; the
+  trainer path the same, through a callback). A compiled row, on either path, also prints how many graphs
+  dynamo compiled and its graph breaks with their reasons.
+- trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run directory,
   logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
   checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
   speed/tokens_per_s; peak memory from summary.json.
@@ -51,6 +52,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import torch
 import torch._dynamo
 from hydra import compose, initialize_config_dir
@@ -213,32 +215,70 @@ def compiled_graphs() -> str:
     return f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{reasons}"
 
 
-def profile_table(step, n: int, device: torch.device, rows: int = 30) -> str:
-    """torch.profiler over n calls of step(): the ops with the most time on the device (the CPU when there is
-    no GPU), self time, as torch's key_averages table."""
+def profiler(device: torch.device) -> torch.profiler.profile:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(n):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    return torch.profiler.profile(activities=activities)
+
+
+def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 30) -> str:
+    """The ops with the most time on the device (the CPU when there is no GPU), self time, as torch's
+    key_averages table."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
-def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int) -> Row:
+def profile_table(step, n: int, device: torch.device) -> str:
+    """`top_ops` over n calls of step()."""
+    with profiler(device) as prof:
+        for _ in range(n):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return top_ops(prof, device)
+
+
+class ProfileSteps(L.Callback):
+    """torch.profiler over the trainer's optimizer steps first+1 .. first+n (after `first` have run); the
+    table (`top_ops`) is in `self.table` once they have."""
+
+    def __init__(self, first: int, n: int, device: torch.device):
+        self.first, self.n, self.device = first, n, device
+        self.prof, self.table = None, ""
+
+    def on_train_batch_start(self, trainer, *_):
+        if trainer.global_step == self.first and self.prof is None:
+            self.prof = profiler(self.device)
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, *_):
+        if self.prof is not None and not self.table and trainer.global_step == self.first + self.n:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.table = top_ops(self.prof, self.device)
+
+
+def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int,
+                profile: int = 0) -> Row:
     window = math.gcd(warmup, steps)
-    run = [f"train.max_steps={warmup + steps}", f"train.log_every={window}", f"train.val_every={warmup + steps}",
-           "train.val_batches=1", "train.ckpt_every=0", f"out_dir={tmp}", "group=step", f"run_name=v{index}",
-           "overwrite=true"]
+    run = [f"train.max_steps={warmup + steps + profile}", f"train.log_every={window}",
+           f"train.val_every={warmup + steps + profile}", "train.val_batches=1", "train.ckpt_every=0", f"out_dir={tmp}",
+           "group=step", f"run_name=v{index}", "overwrite=true"]
     cfg = compose_config([*overrides, *run])
     device = device_of(cfg)
     reset_peak(device)
-    summary = train(cfg, overrides=[*overrides, *run])
+    torch._dynamo.utils.counters.clear()
+    probe = ProfileSteps(warmup + steps, profile, device)
+    summary = train(cfg, overrides=[*overrides, *run], callbacks=[probe] if profile else [])
+    if compile_mode(cfg):
+        print(f"  {variant or '(overrides only)'} / trainer: {compiled_graphs()}", flush=True)
+    if profile:
+        print(f"Profile of {profile} trainer steps, {variant or '(overrides only)'}:\n{probe.table}", flush=True)
     tokens_per_window = window * summary["tokens_per_step"]
-    rows = [r for r in read_metrics(tmp / "step" / f"v{index}") if r.get("speed/tokens_per_s") and r["step"] > warmup]
+    rows = [r for r in read_metrics(tmp / "step" / f"v{index}")
+            if r.get("speed/tokens_per_s") and warmup < r["step"] <= warmup + steps]
     seconds = sum(tokens_per_window / r["speed/tokens_per_s"] for r in rows)
     tokens_per_s = len(rows) * tokens_per_window / seconds
     return Row(variant, "trainer", tokens_per_s, 1e3 * summary["tokens_per_step"] / tokens_per_s,
@@ -342,7 +382,7 @@ def main(argv=None) -> str:
     p.add_argument("--variants", default="", help="override sets, comma-separated, each space-separated")
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after each bare row, profile N more steps and print the ops with the most device time")
+                   help="after each row's timed steps, profile N more and print the ops with the most device time")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
@@ -375,7 +415,7 @@ def main(argv=None) -> str:
                 if path == "bare":
                     row = bare_row(variant, cfg, args.warmup, args.steps, args.profile)
                 else:
-                    row = trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i)
+                    row = trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i, args.profile)
                 row.fla = fla_of_variant[i]
                 rows.append(row)
                 print(f"  {progress(row)}", flush=True)

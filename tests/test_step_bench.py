@@ -61,6 +61,21 @@ def test_two_variants_on_both_paths_give_one_table_and_write_only_with_out(corpu
     assert re.search(r"compiled \d+ graphs, [1-9]\d* graph breaks\n    \d+ x \S", said), said
 
 
+def test_profile_covers_both_paths_after_their_timed_steps(corpus, tmp_path, monkeypatch, capsys):
+    """--profile 1: one more step on each path under torch.profiler, its table printed; the trainer's timed
+    windows stop before the profiled step, whose logging the table leaves out."""
+    monkeypatch.chdir(tmp_path)
+    shape = ["data=text", f"data.path={corpus}", "model.n_layers=1", "model.d_model=32", "model.head_dim=16",
+             "data.seq_len=16", "data.batch_size=2", "data.vocab_size=260", "data.val_tokens=256",
+             "moe=dense", "residual=standard", "optim=adamw", "mixer=mla"]
+    text = main([*shape, "--warmup", "1", "--steps", "1", "--profile", "1"])
+    said = capsys.readouterr().out
+    for path in ("bare", "trainer"):
+        table = said.split(f"Profile of 1 {path} steps, (overrides only):\n")[1]
+        assert "Self CPU" in table.splitlines()[1] and "aten::mm" in table, said
+    assert text.count("| (overrides only) |") == 2
+
+
 def test_fla_config_follows_the_decay_and_residual_switches():
     """fla's model takes the sigmoid decay as safe_gate with its g_min, softplus as its default gate, and
     AttnRes blocks in sublayers as this model counts them (block_size, or n_blocks over 2 x n_layers)."""
