@@ -553,8 +553,9 @@ def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None,
              speed: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """One row per (switch, option): what the option is worth.
 
-    delta [CI] and verdict: the table's row at the largest model size (the baseline row's N; ties: the
-    most tokens, then the most seeds). multiplier [CI]: the shared-exponent compute multiplier of the
+    delta [CI] and verdict: the table's row at the largest model size whose delta has an interval (the
+    baseline row's N; ties: the most tokens, then the most seeds), or the largest size where none has
+    one (a ladder of one seed per size above the size that has the seeds). multiplier [CI]: the shared-exponent compute multiplier of the
     variant 'switch=option' against the baseline from `multipliers` (analysis.scaling.compute_multipliers;
     NaN without a ladder per variant); > 1: the baseline needs that many times the FLOPs for the variant's
     loss. tokens_per_s_rel: the variant's throughput over the baseline's in the same runs as the delta, or,
@@ -569,8 +570,9 @@ def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None,
     t = table[table["test"] != "baseline"]
     for (s, o), g in t.groupby(["switch", "option"], sort=False):
         size = (g["N"] / g["N_rel"]).where(g["N_rel"].notna(), g["N"])
-        g = g.assign(_size=size.fillna(0), _tokens=g["tokens"] if "tokens" in g else 0)
-        r = g.sort_values(["_size", "_tokens", "n"], ascending=False, kind="stable").iloc[0]
+        g = g.assign(_size=size.fillna(0), _tokens=g["tokens"] if "tokens" in g else 0,
+                     _ci=np.isfinite(g["delta_lo"].astype(float)))
+        r = g.sort_values(["_ci", "_size", "_tokens", "n"], ascending=False, kind="stable").iloc[0]
         tokens_per_s_rel = r["tokens_per_s_rel"]
         if pd.isna(tokens_per_s_rel):  # e.g. the study's runs shared the GPU: a cell of the same size timed alone
             timed = g if speed is None else speed[(speed["switch"] == s) & (speed["option"] == o)]

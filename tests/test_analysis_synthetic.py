@@ -593,6 +593,26 @@ def test_compute_multiplier_and_headline_recover_a_known_1_5x(tmp_path):
     assert np.isnan(headline(ablation_table(runs)).iloc[0]["multiplier"])  # no ladder given: no multiplier
 
 
+def test_the_headline_delta_comes_from_the_largest_size_with_an_interval(tmp_path):
+    """A ladder of one seed per size above a smallest size run at three seeds (the study's design): the
+    headline's delta is the smallest size's, the only one with an interval; with one seed everywhere it is
+    the largest size's, without an interval."""
+    sizes = np.geomspace(1e5, 3e7, 4)
+    write_scaling_ladder(tmp_path, multiplier=1.5, sizes=sizes, seeds=(0, 1, 2), noise=0.001)
+    for run in tmp_path.iterdir():
+        if not run.name.startswith(f"ladder-base-n{sizes[0]:.2g}-") and not run.name.startswith(
+                f"ladder-glu-swiglu-n{sizes[0]:.2g}-") and not run.name.endswith("-s0"):
+            shutil.rmtree(run)
+    runs = collect([tmp_path], curves=False).runs
+    h = headline(ablation_table(runs)).iloc[0]
+    assert h["N"] == pytest.approx(sizes[0], rel=1e-6) and h["n"] == 3 and h["delta_lo"] < h["delta"] < h["delta_hi"]
+    for run in tmp_path.iterdir():
+        if not run.name.endswith("-s0"):
+            shutil.rmtree(run)
+    h = headline(ablation_table(collect([tmp_path], curves=False).runs)).iloc[0]
+    assert h["N"] == pytest.approx(sizes[-1], rel=1e-6) and h["n"] == 1 and np.isnan(h["delta_lo"])
+
+
 # --------------------------------------------------------------------------------------------------
 # The report and its figures: nothing lost, nothing cryptic
 # --------------------------------------------------------------------------------------------------
