@@ -162,6 +162,23 @@ def test_sign_update_moves_each_bias_the_right_way():
     assert torch.equal(torch.sign(step), torch.sign(load.mean() - load))
 
 
+def test_the_bias_stays_fp32_in_a_bf16_model_so_sign_steps_are_not_rounded_away():
+    """A bf16 MoE (what trainer.precision=bf16-true makes) keeps its router bias fp32: from a bias of 0.5,
+    one sign update of gamma 1e-3 moves every expert's bias by 1e-3 (in bf16 it would stay 0.5)."""
+    torch.manual_seed(0)
+    moe = MoE(32, MoEConfig(name="standard", n_experts=8, top_k=2, expert_hidden=16), GLUConfig(),
+              BalanceConfig(name="sign", gamma=1e-3)).to(torch.bfloat16)
+    assert moe.router.weight.dtype == torch.bfloat16 and moe.router.bias.dtype == torch.float32
+    with torch.no_grad():
+        moe.router.bias.fill_(0.5)
+        moe.router.weight.mul_(50)
+    moe(torch.randn(4, 64, 32, dtype=torch.bfloat16))
+    moe.update_bias()
+    assert moe.router.bias.dtype == torch.float32
+    moved = (moe.router.bias - 0.5).abs()
+    assert torch.allclose(moved[moved > 0], torch.tensor(1e-3), rtol=1e-3) and (moved > 0).sum() >= 6
+
+
 def test_switch_aux_loss_value_and_gradient():
     m, n, k = 64, 8, 2
     # perfect balance: uniform scores and a round-robin assignment -> loss == coef

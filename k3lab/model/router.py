@@ -65,7 +65,7 @@ def normal_init(p: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tens
 
 class Router(nn.Module):
     """x [m, D] -> Routing. weight [n, D] (a parameter; its `init` tag draws N(0, init_std) for the
-    model's initialiser); bias [n] (a buffer: saved, not optimised)."""
+    model's initialiser); bias [n] (a buffer: saved, not optimised, fp32 whatever the module's dtype)."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, init_std: float = 0.02):
         super().__init__()
@@ -73,6 +73,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, d_model).normal_(0.0, init_std))
         tag(self, "weight", init=functools.partial(normal_init, std=init_std))
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """Module conversions (.to(bf16), Lightning's bf16-true) move the bias but leave it fp32: bf16's
+        spacing at 0.5 is 0.004, so a sign update's 1e-3 steps would round away."""
+        super()._apply(fn, recurse)
+        self.bias = self.bias.float()
+        return self
 
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
