@@ -105,7 +105,8 @@ class K3Model(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the router auxiliary losses of the last forward (0 unless balance=aux)."""
-        return sum((m.aux_loss for m in self.moe_layers()), torch.zeros((), device=self.embed.weight.device))
+        return sum((m.aux_loss for m in self.moe_layers()),
+                   torch.zeros((), dtype=torch.float32, device=self.embed.weight.device))
 
     @torch.no_grad()
     def update_router_biases(self) -> None:
