@@ -13,8 +13,8 @@ except for
 and their summary columns in `match` (model, size, data, run length, global batch) are equal. The run
 length is the rule that set it when a rule did (train.tokens_per_param or train.flop_budget: two options
 of different sizes at 5 tokens per parameter train different token counts by design and still share a
-cell), else the token count. A run differing in anything else is in another cell; the table names each cell by the keys in which the cells of a switch
-differ (`cell`), so nothing is pooled silently.
+cell), else the token count. A run differing in anything else is in another cell; the table names each
+cell by the keys in which the cells of a switch differ (`cell`), so nothing is pooled silently.
 
 Rows. In a cell, the runs of one option with one setting of the compared keys make one row: an LR grid is
 never averaged (untuned, each rate is a cell of its own; for S = optim, whose group holds the rates, each
@@ -58,7 +58,7 @@ from analysis.switches import K3_DEFAULT, SWITCH_OPTIONS, SWITCHES
 # The baseline of an ablation: the K3 default of each switch (the first option of each group).
 DEFAULT_BASELINE = K3_DEFAULT
 # summary.json columns that must be equal for two runs to be compared: the model config and its size (a
-# ladder shares one config name across depths), the data, the training length (run_length) and the global
+# ladder shares one config name across depths), the data, the training length (length_label) and the global
 # batch.
 DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "length", "tokens_per_step")
 # config.yaml keys (and key prefixes) that never make two runs different cells: the seed and the run's
@@ -75,7 +75,7 @@ _SHOWN = {"config.model.name": "model", "config.model.n_layers": "n_layers", "co
           "config.data.name": "data"}
 
 
-def run_length(runs: pd.DataFrame) -> pd.Series:
+def length_label(runs: pd.DataFrame) -> pd.Series:
     """What fixed each run's length, as a label: '5 tokens per parameter' or '1e+18 FLOPs' where the rule
     in summary.json's length_from set it, else the token count ('32964608 tokens')."""
     def label(r):
@@ -324,10 +324,12 @@ def _command(g: pd.DataFrame, seeds: str, values: Optional[dict] = None) -> str:
     if "overrides" not in g or g["overrides"].isna().all():
         return ""
     values = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in (values or {}).items()}
-    items = [o for o in json.loads(g["overrides"].dropna().iloc[0]) if not o.startswith("seed=")]
-    items = [f"{o.split('=', 1)[0]}={values.pop(o.split('=', 1)[0])}" if o.split("=", 1)[0] in values else o
-             for o in items]
-    items += [f"{k}={v}" for k, v in values.items()]
+    items = {}  # key -> override, in the run's order
+    for o in json.loads(g["overrides"].dropna().iloc[0]):
+        items[o.split("=", 1)[0]] = o
+    items.pop("seed", None)
+    items.update({k: f"{k}={v}" for k, v in values.items()})
+    items = list(items.values())
     return "python run.py -m " + " ".join(shlex.quote(o) for o in [*items, f"seed={seeds}"])
 
 
@@ -368,7 +370,7 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
         raise KeyError(f"metric {metric!r} not in the runs table; choose one of {sorted(map(str, runs.columns))}")
     ref, notes = effective_baseline(runs, baseline, switches)
     if "length" not in runs.columns and "tokens" in runs.columns:
-        runs = runs.assign(length=run_length(runs))
+        runs = runs.assign(length=length_label(runs))
     match = [c for c in (DEFAULT_MATCH if match is None else match) if c in runs.columns]
     runs = runs[runs[metric].notna()]
     is_tune: Callable[[pd.Series], pd.Series] = (
@@ -423,7 +425,8 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
                     row = {"switch": s, "option": opt, "baseline": r, **where, "cell": cell_name,
                            "rate": _rate(g, tuned_cols, strip), "setting": setting, "grid_edge": edge}
                     rows.append(_fill(row, g, base_rows, opt == r, metric, level, n_col, extra))
-    table = pd.DataFrame(rows, columns=[*TABLE_COLUMNS[:3], *match, *(c for c in TABLE_COLUMNS[3:] if c not in match)])
+    columns = [*TABLE_COLUMNS[:3], *match, *(c for c in TABLE_COLUMNS[3:] if c not in match)]
+    table = pd.DataFrame(rows, columns=columns)
     table["p_holm"] = holm(table["p_value"]) if len(table) else []
     table["verdict"] = [_verdict(t) for t in table.itertuples()]
     table.attrs.update(notes=notes, metric=metric, tune=tune, n_comparisons=int(table["p_value"].notna().sum()),
