@@ -19,9 +19,9 @@ empty set, or none given, is the positional overrides alone). For each variant:
   torch.profiler, printed as the ops with the most device time (not in the table, not in the peak; the
   trainer path the same, through a callback). A compiled row, on either path, also prints how many graphs
   dynamo compiled and its graph breaks with their reasons.
-- trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run directory,
-  logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no periodic
-  checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
+- trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run
+  directory, logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no
+  periodic checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
   speed/tokens_per_s; peak memory from summary.json.
 - with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at each variant's
   configuration (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
@@ -241,7 +241,8 @@ def profile_table(step, n: int, device: torch.device) -> str:
 
 class ProfileSteps(L.Callback):
     """torch.profiler over the trainer's optimizer steps first+1 .. first+n (after `first` have run); the
-    table (`top_ops`) is in `self.table` once they have."""
+    table (`top_ops`) is in `self.table` once they have. A callback rather than Lightning's
+    PyTorchProfiler, so that both paths' tables come from one `top_ops` over exactly the steps named."""
 
     def __init__(self, first: int, n: int, device: torch.device):
         self.first, self.n, self.device = first, n, device
@@ -263,9 +264,9 @@ class ProfileSteps(L.Callback):
 def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int,
                 profile: int = 0) -> Row:
     window = math.gcd(warmup, steps)
-    run = [f"train.max_steps={warmup + steps + profile}", f"train.log_every={window}",
-           f"train.val_every={warmup + steps + profile}", "train.val_batches=1", "train.ckpt_every=0", f"out_dir={tmp}",
-           "group=step", f"run_name=v{index}", "overwrite=true"]
+    total = warmup + steps + profile
+    run = [f"train.max_steps={total}", f"train.log_every={window}", f"train.val_every={total}", "train.val_batches=1",
+           "train.ckpt_every=0", f"out_dir={tmp}", "group=step", f"run_name=v{index}", "overwrite=true"]
     cfg = compose_config([*overrides, *run])
     device = device_of(cfg)
     reset_peak(device)
