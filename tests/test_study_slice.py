@@ -62,6 +62,7 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
     # the ladder needs residual's rows, which this stand-in tuning (the default and softplus) lacks
     refused = slice_sh("start", "ladder", "5", env=env, check=False)
     assert "ladder: residual=block_attnres has no rate inside its grid yet" in refused
+    assert "ladder: no configuration is ready" in refused
 
 
 def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_path):

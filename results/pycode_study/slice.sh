@@ -12,7 +12,7 @@
 # stage started again only trains what is left. Stage `next`: per configuration, one more tuning point
 # beyond the grid's edge where the best rate sits there, else the reported seeds at the chosen rate; start
 # it again once those finish. Stage `ladder`: the K3 default, residual=standard and optim=adamw at their
-# chosen rates (each must be inside its grid), seed 0.
+# chosen rates, seed 0; a configuration whose rate is still at its grid's edge is left out, said so.
 # Environment: STUDY (the study folder, default results/pycode_study), CORPUS (/tmp/pycode8k), RUNS
 # (/tmp/runs), PREPARE (the prepare arguments), EXTRA (overrides added to every run), CONFIGS (the tune and
 # speed stages' configurations, one per line; default: the stage's). tests/test_study_slice.py runs it on
@@ -74,12 +74,17 @@ from analysis.collect import collect
 
 LADDER = (("residual", "block_attnres"), ("residual", "standard"), ("optim", "adamw"))  # the K3 default first
 tuning = tuning_table(ablation_table(collect([sys.argv[1]], curves=False).runs, tune=True, tuned=["optim.lr_scale"]))
+ready = 0
 for switch, option in LADDER:
     row = tuning[(tuning["switch"] == switch) & (tuning["option"] == option) & tuning["chosen"].astype(bool)]
     if row.empty or row["widen"].iloc[0]:
-        sys.exit(f"ladder: {switch}={option} has no rate inside its grid yet; run stage next until it has")
+        print(f"ladder: {switch}={option} has no rate inside its grid yet (run stage next until it has); "
+              "left out", file=sys.stderr)
+        continue
     overrides = row["command"].iloc[0].removeprefix("python run.py -m ").rsplit(" seed=", 1)[0]
     print(f"{overrides} model.n_layers={sys.argv[2]} seed=0")
+    ready += 1
+sys.exit(0 if ready else "ladder: no configuration is ready")
 PY
       ;;
     *) echo "unknown stage $1 (valid: tune, next, ladder DEPTHS, speed)" >&2; exit 2 ;;
