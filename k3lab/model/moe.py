@@ -136,10 +136,7 @@ def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing,
     m, k = routing.idx.shape
     flat = routing.idx.reshape(-1)                       # [m*k] expert of each pair
     order = torch.argsort(flat, stable=True)            # pairs sorted by expert
-    # pairs per expert from where each expert's run ends in the sorted ids: a fixed-size result, so dynamo
-    # keeps the layer in one graph (torch.bincount's length depends on the data)
-    ends = torch.searchsorted(flat[order], torch.arange(experts.n, device=flat.device, dtype=flat.dtype), right=True)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    counts = expert_load(routing.idx, experts.n)         # [n] pairs per expert, fixed size: one graph
     xs = h[order // k]                                   # [m*k, w] in sorted order
     if checkpoint_experts and torch.is_grad_enabled():   # nothing random inside: no RNG state to keep
         ys = checkpoint(experts, xs, counts, dispatch, use_reentrant=False, preserve_rng_state=False)
