@@ -2,8 +2,10 @@
 
 SweepReport: the closing table of which runs completed, were skipped, resumed or failed, and why. Hydra
 runs `on_job_end` where the job ran (this process under the basic launcher, a worker under joblib, the job
-under submitit), so each job writes its row to <sweep dir>/.sweep/report/<job number>.json and the
-launching process reads them all. A run that fails is reported where it ends (`k3lab.errors.report`: one
+under submitit), so each job writes its row to <sweep dir>/.sweep/report/<launch>/<job number>.json and the
+launching process reads them all, then removes its folder. <launch> is the launching process's own (host, pid
+and start time): multiruns launched side by side into one group folder (a study's slice starts several)
+each report their own jobs. A run that fails is reported where it ends (`k3lab.errors.report`: one
 line `error: ...` for a bad setting, else the traceback) and the sweep goes on. Hydra then re-raises the
 first failure, which run.py does not print again, and exits non-zero without calling `on_multirun_end`;
 so the table is printed at interpreter exit unless the sweep ended cleanly. It is what a researcher reads before re-running
@@ -28,6 +30,8 @@ import fcntl
 import json
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -54,8 +58,8 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = str(config.hydra.sweep.dir)
-        self.rows_dir = Path(self.sweep_dir).resolve() / ".sweep" / "report"
-        shutil.rmtree(self.rows_dir, ignore_errors=True)  # rows of an earlier launch of the same sweep
+        launch = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        self.rows_dir = Path(self.sweep_dir).resolve() / ".sweep" / "report" / launch
         self.rows_dir.mkdir(parents=True)
         atexit.register(self.print_table)
 
@@ -87,6 +91,8 @@ class SweepReport(Callback):
 
     def print_table(self) -> None:
         rows = self.rows()
+        if self.rows_dir is not None:  # read once: the run directories keep the outcomes
+            shutil.rmtree(self.rows_dir, ignore_errors=True)
         if not rows:
             return
         common = set.intersection(*(set(r[0]) for r in rows))

@@ -108,3 +108,26 @@ def test_two_processes_never_train_into_one_run_directory(tmp_path):
         holder.kill()
         holder.wait()
     lock_run_dir(run_dir)  # the dead holder's lock went with it
+
+
+def test_multiruns_side_by_side_in_one_group_each_report_their_own_jobs(tmp_path, capsys):
+    """Two multiruns launched at once into one sweep folder (a study slice starts several): each closing
+    table lists its own jobs only, and nothing of either is left under .sweep/report once printed."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from k3lab.sweep import SweepReport
+
+    reports = [SweepReport(), SweepReport()]
+    for report in reports:
+        report.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    for num in range(2):  # both launches number their jobs from 0
+        for which, report in enumerate(reports):
+            done = JobReturn(overrides=[f"sweep={which}", f"seed={num}"], status=JobStatus.COMPLETED)
+            done.return_value = {"outcome": "new", "loss_val_final": 1.0 + which}
+            report.on_job_end(OmegaConf.create({"hydra": {"job": {"num": num}}}), done)
+    for which, report in enumerate(reports):
+        assert [r[0] for r in report.rows()] == [(f"sweep={which}", "seed=0"), (f"sweep={which}", "seed=1")]
+        report.on_multirun_end(OmegaConf.create({}))
+        assert f"val loss {1.0 + which:.4f}" in capsys.readouterr().out
+    assert not any((tmp_path / ".sweep" / "report").iterdir())
