@@ -158,3 +158,14 @@ def test_k3_default_on_cuda_compiles_to_one_graph(residual):
         model.update_router_biases()
         assert torch.isfinite(logits).all()
     assert [len(g.graph.nodes) > 0 for g in counter.graphs].count(True) == 1
+
+
+def test_backend_choice_traces_without_a_graph_break():
+    """kernels.backend=auto asks on every CUDA forward whether Triton is available (KDA, short conv): that
+    answer must trace, or torch.compile breaks the graph at every KDA layer (an import per call does)."""
+    from kernels import kda, short_conv
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + kda.triton_available() + short_conv.triton_available(), backend="eager",
+                       fullgraph=True)
+    assert fn(torch.zeros(2)).tolist() == [2.0, 2.0]

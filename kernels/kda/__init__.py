@@ -11,7 +11,6 @@ gate input z and beta logits: the model layer's call). Implementations:
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -27,13 +26,19 @@ __all__ = ["BACKENDS", "DECAYS", "gated_inputs", "kda", "kda_chunk_torch", "kda_
            "triton_available"]
 
 
+# The Triton entries are imported once, here, not on each call: a forward that imported them per call would
+# make torch.compile break its graph at every KDA layer on CUDA (dynamo does not trace importlib).
+try:
+    from .triton import kda_gated as _kda_gated_triton, kda_triton as _kda_triton
+    _TRITON_ERROR: ImportError | None = None
+except ImportError as e:
+    _kda_gated_triton = _kda_triton = None
+    _TRITON_ERROR = e
+
+
 def triton_available() -> bool:
-    """True when the Triton KDA kernels can be imported (triton installed, kernels present)."""
-    try:
-        importlib.import_module("kernels.kda.triton")
-    except ImportError:
-        return False
-    return True
+    """True when the Triton KDA kernels could be imported (triton installed, kernels present)."""
+    return _TRITON_ERROR is None
 
 
 def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate):
@@ -85,11 +90,9 @@ def kda(
         return kda_chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state)
     if backend == "fla":
         return _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate)
-    try:
-        from .triton import kda_triton
-    except ImportError as e:
-        raise ImportError(f"kda backend 'triton' is unavailable: {e}") from e
-    return kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate,
+    if not triton_available():
+        raise ImportError(f"kda backend 'triton' is unavailable: {_TRITON_ERROR}") from _TRITON_ERROR
+    return _kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate,
                       recompute_states=recompute_states)
 
 
@@ -159,11 +162,9 @@ def kda_gated(
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        try:
-            from .triton import kda_gated as kda_gated_triton
-        except ImportError as e:
-            raise ImportError(f"kda backend 'triton' is unavailable: {e}") from e
-        return kda_gated_triton(q, k, v, z, beta_logits, A_log, dt_bias, decay=decay, g_min=g_min, scale=scale,
+        if not triton_available():
+            raise ImportError(f"kda backend 'triton' is unavailable: {_TRITON_ERROR}") from _TRITON_ERROR
+        return _kda_gated_triton(q, k, v, z, beta_logits, A_log, dt_bias, decay=decay, g_min=g_min, scale=scale,
                                 initial_state=initial_state, output_final_state=output_final_state,
                                 use_qk_l2norm=use_qk_l2norm, recompute_states=recompute_states)
     q, k, g, beta = gated_inputs(q, k, z, beta_logits, A_log, dt_bias, decay, g_min, use_qk_l2norm)
