@@ -16,7 +16,8 @@ from interpreted import run_interpreted
 LIMIT = 1e-4
 # (B, T, d_model, head_dim): 4 heads of 16, T = 70 spans a full and a ragged chunk
 SHAPE = (2, 70, 64, 16)
-VARIANTS = {"plain": dict(), "checkpoint_recompute": dict(checkpoint_kda=True, recompute_states=True)}
+VARIANTS = {"plain": dict(), "checkpoint_recompute": dict(checkpoint_kda=True, recompute_states=True),
+            "recompute_chunks": dict(recompute_chunks=True)}
 
 
 def layer_results(decay: str, backend: str, **kernels) -> dict:
@@ -71,13 +72,15 @@ def op_inputs(gate: str, dtype, fuse_prep: bool, initial_state: bool, seed: int 
     h0 = torch.randn(B, H, K, V, generator=gen) if initial_state else None
     tensors = [x if x is None else x.to(dtype if i < 5 else torch.float32).requires_grad_()
                for i, x in enumerate((q, k, v, z, bl, A_log, dt_bias, h0))]
-    return tensors + [K ** -0.5, gate == "sigmoid", GATES[gate], -5.0, fuse_prep, False]
+    return tensors + [K ** -0.5, gate == "sigmoid", GATES[gate], -5.0, fuse_prep, False, False]
 
 
-# name: (gate, dtype, fuse_prep, initial state, recompute_states); fp16 keeps half-precision intermediates
-OPCHECK = {"sigmoid_prep_h0": ("sigmoid", "float32", True, True, False),
-           "softplus_prep_fp16_recompute": ("softplus", "float16", True, False, True),
-           "none_h0": ("none", "float32", False, True, False)}
+# name: (gate, dtype, fuse_prep, initial state, (recompute_states, recompute_chunks)); fp16 keeps half-precision
+# intermediates
+OPCHECK = {"sigmoid_prep_h0": ("sigmoid", "float32", True, True, (False, False)),
+           "softplus_prep_fp16_recompute": ("softplus", "float16", True, False, (True, False)),
+           "none_h0_recompute_chunks": ("none", "float32", False, True, (True, True)),
+           "none_h0": ("none", "float32", False, True, (False, False))}
 
 
 def _run_checks() -> dict:
@@ -95,17 +98,17 @@ def _run_checks() -> dict:
     # custom ops: schema, fake tensors (shapes, dtypes, strides), autograd registration, AOT dispatch
     for name, (gate, dtype, fuse_prep, h0, recompute) in OPCHECK.items():
         args = op_inputs(gate, getattr(torch, dtype), fuse_prep, h0)
-        args[-1] = recompute
+        args[-2:] = recompute
         out[f"opcheck_fwd_{name}"] = torch.library.opcheck(kda_fwd_op, args)
         detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
-        q, k, v, g, beta, A_log, dt_bias, h, scale, safe, gate_id, g_min, _, _ = detached
+        q, k, v, g, beta, A_log, dt_bias, h, scale, safe, gate_id, g_min, _, _, _ = detached
         o, ht, saved = kda_fwd_op(*detached)
         gen = torch.Generator().manual_seed(2)
         do, dht = torch.randn(o.shape, generator=gen).to(o.dtype), torch.randn(ht.shape, generator=gen)
         raw = (None, None, None) if fuse_prep else (q, k, beta)
         out[f"opcheck_bwd_{name}"] = torch.library.opcheck(
             kda_bwd_op, (raw[0], raw[1], v, g, raw[2], A_log, dt_bias, h, saved, do, dht, scale, safe, gate_id, g_min,
-                         fuse_prep, recompute, q.dtype, k.dtype, beta.dtype))
+                         fuse_prep, *recompute, q.dtype, k.dtype, beta.dtype))
 
     # torch.compile of the layer: one graph holding the custom ops, eager results forward and backward
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -148,7 +151,8 @@ def results():
 def test_layer_triton_matches_torch(results, decay, variant):
     """backend=triton against backend=torch, fp32: the output, the input's gradient and the gradient of
     every parameter (q/k/v projections and convs, f_down, f_up, b_proj, g_proj, o_norm, o_proj, A_log,
-    dt_bias) within 1e-4 relative; also with kernels.checkpoint_kda and kernels.recompute_states on."""
+    dt_bias) within 1e-4 relative; also with kernels.checkpoint_kda and kernels.recompute_states on, and with
+    kernels.recompute_chunks."""
     errs = results[f"layer_{decay}_{variant}"]
     assert {"y", "x", "A_log", "dt_bias", "f_up.weight", "b_proj.weight"} <= set(errs)
     bad = {n: e for n, e in errs.items() if not e < LIMIT}

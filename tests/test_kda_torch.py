@@ -164,7 +164,8 @@ def test_fla_backend_names_the_missing_package():
 
 
 def test_model_layer_passes_kernel_options(monkeypatch):
-    """kernels.backend and kernels.recompute_states reach kernels.kda.kda from the model's KDA layer."""
+    """kernels.backend, kernels.recompute_states and kernels.recompute_chunks reach kernels.kda.kda from the
+    model's KDA layer."""
     from k3lab.config import KernelsConfig, ModelConfig
     from k3lab.model import kda as kda_layer
 
@@ -177,9 +178,9 @@ def test_model_layer_passes_kernel_options(monkeypatch):
 
     monkeypatch.setattr(kda_layer, "kda", spy)
     cfg = ModelConfig(n_layers=4, d_model=128, head_dim=64,
-                      kernels=KernelsConfig(backend="torch", recompute_states=True))
+                      kernels=KernelsConfig(backend="torch", recompute_states=True, recompute_chunks=True))
     kda_layer.KDA(cfg)(torch.randn(1, 10, 128))
-    assert seen["backend"] == "torch" and seen["recompute_states"] is True
+    assert (seen["backend"], seen["recompute_states"], seen["recompute_chunks"]) == ("torch", True, True)
 
 
 def test_checkpoint_kda_reruns_the_call_in_the_backward_with_the_same_results(monkeypatch):

@@ -165,6 +165,15 @@ def _run_checks() -> dict:
         "saved_bytes_difference": kept_bytes - recomputed_bytes,
         "state_bytes": 1 * 2 * 3 * 32 * 16 * 4,  # B * H * NT * K * V * 4 with NT = ceil(150 / 64)
     }
+    # recompute_chunks: the forward keeps its inputs only and the backward reruns its chunk kernels; bitwise
+    chunk_bytes, chunked = saved_bytes(lambda: outputs_and_grads(partial(kda_triton, recompute_chunks=True), inputs))
+    out["recompute_chunks"] = {
+        "max_abs_difference": max((a - b).abs().max().item() for a, b in zip(kept, chunked)),
+        "saved_bytes": chunk_bytes,
+        "input_bytes": sum(x.numel() * x.element_size() for x in inputs),
+        # the loss (o * do).sum() + (ht * dht).sum() saves the cotangents do and dht, the size of o and ht
+        "cotangent_bytes": sum(x.numel() * x.element_size() for x in kept[:2]),
+    }
 
     # causality: inputs at t >= P changed, outputs before P must not move
     q, k, v, g, beta, h0 = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=8)]
@@ -231,6 +240,14 @@ def test_recompute_states_same_results_less_memory(results):
     r = results["recompute_states"]
     assert r["max_abs_difference"] == 0.0
     assert r["saved_bytes_difference"] == r["state_bytes"]
+
+
+def test_recompute_chunks_keeps_only_the_inputs_and_gives_the_same_results(results):
+    """With recompute_chunks the forward keeps nothing for the backward but its inputs (q, k, v, g, beta and
+    the initial state), and the backward, rerunning the chunk kernels, gives bitwise the same gradients."""
+    r = results["recompute_chunks"]
+    assert r["max_abs_difference"] == 0.0
+    assert r["saved_bytes"] == r["input_bytes"] + r["cotangent_bytes"]
 
 
 def test_unbounded_gate_picks_the_split_per_chunk(results):

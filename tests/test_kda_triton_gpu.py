@@ -89,7 +89,7 @@ def test_matches_fla(gate):
         assert rel(a, b) < 2e-2, (n, rel(a, b))
 
 
-def layer_run(decay, backend, recompute, dtype, autocast, device="cuda"):
+def layer_run(decay, backend, recompute: dict, dtype, autocast, device="cuda"):
     """Output and parameter gradients of the model's KDA layer (k3lab.model.kda.KDA, 4 heads of 128) on
     one fixed input, the same weights for every call; softplus gets fast, varied decays (A_h up to 16,
     dt_bias = -4) so that its out-of-range chunks are exercised."""
@@ -97,7 +97,7 @@ def layer_run(decay, backend, recompute, dtype, autocast, device="cuda"):
     from k3lab.model.kda import KDA
 
     cfg = ModelConfig(n_layers=4, d_model=512, head_dim=128, decay=DecayConfig(name=decay),
-                      kernels=KernelsConfig(backend=backend, recompute_states=recompute))
+                      kernels=KernelsConfig(backend=backend, **recompute))
     torch.manual_seed(0)
     layer = KDA(cfg)
     if decay == "softplus":
@@ -114,16 +114,17 @@ def layer_run(decay, backend, recompute, dtype, autocast, device="cuda"):
 
 @pytest.mark.parametrize("decay", ["sigmoid", "softplus"])
 def test_model_layer_same_with_triton_and_torch_backends(decay):
-    """The model's KDA layer with kernels.backend=triton (states kept or recomputed) against the same layer
-    on the torch path in float64, for the output and every parameter gradient:
+    """The model's KDA layer with kernels.backend=triton (all kept, states recomputed, chunk kernels
+    recomputed) against the same layer on the torch path in float64, for the output and every parameter
+    gradient:
     - in fp32, within 1e-3;
     - under bf16 autocast, within twice the torch path's own bf16 error, plus 1e-3.
     The bf16 bound is relative to the torch path because some of these gradients are small sums that
     cancel: at the sigmoid map's init, dt_bias, f_down and f_up get gradients ~1e-5 whose bf16 error is
     ~20% on either backend, so a fixed threshold between two bf16 runs cannot separate bugs from rounding."""
-    ref = layer_run(decay, "torch", False, torch.float64, autocast=False)
-    torch_bf16 = layer_run(decay, "torch", False, torch.float32, autocast=True)
-    for recompute in (False, True):
+    ref = layer_run(decay, "torch", {}, torch.float64, autocast=False)
+    torch_bf16 = layer_run(decay, "torch", {}, torch.float32, autocast=True)
+    for recompute in ({}, {"recompute_states": True}, {"recompute_chunks": True}):
         fp32 = layer_run(decay, "triton", recompute, torch.float32, autocast=False)
         bf16 = layer_run(decay, "triton", recompute, torch.float32, autocast=True)
         for n, want in ref.items():

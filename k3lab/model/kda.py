@@ -66,6 +66,7 @@ class KDA(nn.Module):
         self.n_heads, self.head_dim, self.decay = H, K, cfg.decay
         self.backend = cfg.kernels.backend
         self.recompute_states = cfg.kernels.recompute_states
+        self.recompute_chunks = cfg.kernels.recompute_chunks
         self.checkpoint_kda = cfg.kernels.checkpoint_kda
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
@@ -102,7 +103,8 @@ class KDA(nn.Module):
         # fla backends, this module's `kda` (which tests replace to see what reaches the kernel)
         o, _ = kda_gated(heads(self.q_conv(q)), heads(self.k_conv(k)), heads(self.v_conv(v)), heads(z), beta_logits,
                          self.A_log, self.dt_bias, decay=self.decay.name, g_min=self.decay.g_min,
-                         backend=self.backend, recompute_states=self.recompute_states, core=kda)
+                         backend=self.backend, recompute_states=self.recompute_states,
+                         recompute_chunks=self.recompute_chunks, core=kda)
         return o
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -574,20 +574,16 @@ def check_head_dim(K: int) -> None:
         raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
 
 
-def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
-    """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
-    gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
-    prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
-    recompute_states: keep U [B, T, H, V] for the backward instead of the chunk states Hs
-    [B, H, NT, K, V] and delta [B, T, H, V], which the backward then recomputes with one more ``_state``
-    pass (saves K / 64 times delta's size: 134 MB per call at B=4, T=4096, H=16, K=V=128 in bf16).
-    Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
+def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
+                        prec=None):
+    """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
+    G, Safe, At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
+    this on the kept inputs when the forward kept nothing else (``recompute_chunks``): the same kernels on
+    the same inputs, so bitwise the same tensors."""
     import torch
 
     B, T, H, K = q.shape
     V = v.shape[-1]
-    check_head_dim(K)
     NT = triton.cdiv(T, BT)
     Tp = NT * BT
     BK, BV = _pow2(K), min(64, _pow2(V))
@@ -623,13 +619,34 @@ def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gat
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
                      **wy_opts)
+    return dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
+
+
+def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
+            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
+    """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
+    gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
+    prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
+    recompute_states: keep U [B, T, H, V] for the backward instead of the chunk states Hs
+    [B, H, NT, K, V] and delta [B, T, H, V], which the backward then recomputes with one more ``_state``
+    pass (saves K / 64 times delta's size: 134 MB per call at B=4, T=4096, H=16, K=V=128 in bf16).
+    Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
+    import torch
+
+    check_head_dim(q.shape[-1])
+    prec = prec or dot_precision(q.dtype)
+    saved = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min, prec)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    Hs, Dl, ht = state_pass(Kd, W, U, G, h0, prec, output_final_state)
+    Hs, Dl, ht = state_pass(saved["Kd"], saved["W"], saved["U"], saved["G"], h0, prec, output_final_state)
     o = torch.empty_like(v)
     BVO, opts = launch("output", V)
-    _output[(NT, B * H, triton.cdiv(V, BVO))](Qg, P, Hs, Dl, o, T, H, K, V, BK, BVO, BT, prec, **opts)
-    saved = dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg)
-    saved.update(dict(U=U) if recompute_states else dict(Hs=Hs, Dl=Dl))
+    _output[(triton.cdiv(T, BT), B * H, triton.cdiv(V, BVO))](saved["Qg"], saved["P"], Hs, Dl, o, T, H, K, V,
+                                                              _pow2(K), BVO, BT, prec, **opts)
+    if not recompute_states:
+        del saved["U"]
+        saved.update(Hs=Hs, Dl=Dl)
     return o, ht, saved
 
 
