@@ -90,3 +90,25 @@ def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_pa
     assert len(summaries) == 4 and {s["group"] for s in summaries} == {"pycode_speed"}
     assert all(s["device_shared"] is False and s["status"] == "completed" for s in summaries)
     assert sorted(s["n_layers"] for s in summaries) == [4, 4, 7, 7]
+
+
+def test_ladder_plan_from_the_committed_tuning_runs_every_configuration_and_depth_at_once(tmp_path):
+    """`plan ladder 6,7` on the study's committed runs: the K3 default, residual=standard and optim=adamw at
+    the rates their tuning chose (1, 1 and 0.5), seed 0, one multirun per configuration and depth (so all six
+    run side by side); nothing is started."""
+    import shutil
+
+    study = tmp_path / "study"
+    shutil.copytree(ROOT / "results" / "pycode_study" / "runs", study / "runs")
+    env = {**os.environ, "STUDY": str(study), "RUNS": str(tmp_path / "runs")}
+    lines = [line for line in slice_sh("plan", "ladder", "6,7", env=env).splitlines()
+             if line.startswith("python3 run.py -m experiment=pycode_study")]
+    planned = set()
+    for line in lines:
+        words = dict(w.split("=", 1) for w in line.split()[3:])
+        planned.add((words.get("residual", ""), words.get("optim", ""), words["optim.lr_scale"],
+                     words["model.n_layers"], words["seed"]))
+    assert len(lines) == 6 and planned == {(r, o, rate, depth, "0") for r, o, rate in
+                                           [("", "", "1"), ("standard", "", "1"), ("", "adamw", "0.5")]
+                                           for depth in ("6", "7")}
+    assert not list((tmp_path / "runs" / ".slice").glob("running.*"))

@@ -2,7 +2,8 @@
 # One slice of device time for the pycode study (PLAN.md), run from the repository root:
 #   bash results/pycode_study/slice.sh start tune      # corpus, completed runs put back, stage started detached
 #   bash results/pycode_study/slice.sh start next      # what the tuning says comes next (analysis.ablate --next)
-#   bash results/pycode_study/slice.sh start ladder 5  # the ladder's configurations at depth 5 (or "6,8")
+#   bash results/pycode_study/slice.sh start ladder 5  # the ladder's configurations at depth 5 (or "6,7")
+#   bash results/pycode_study/slice.sh plan ladder 6,7 # the multiruns a stage would start, started nothing
 #   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7)
 #   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the started stages, printing progress
 #   bash results/pycode_study/slice.sh collect "$OUT"  # the run directories, without checkpoints, as one tarball
@@ -12,7 +13,8 @@
 # stage started again only trains what is left. Stage `next`: per configuration, one more tuning point
 # beyond the grid's edge where the best rate sits there, else the reported seeds at the chosen rate; start
 # it again once those finish. Stage `ladder`: the K3 default, residual=standard and optim=adamw at their
-# chosen rates, seed 0; a configuration whose rate is still at its grid's edge is left out, said so.
+# chosen rates, seed 0, one multirun per configuration and depth, all at once; a configuration whose rate is
+# still at its grid's edge is left out, said so.
 # Environment: STUDY (the study folder, default results/pycode_study), CORPUS (/tmp/pycode8k), RUNS
 # (/tmp/runs), PREPARE (the prepare arguments), EXTRA (overrides added to every run), CONFIGS (the tune and
 # speed stages' configurations, one per line; default: the stage's). tests/test_study_slice.py runs it on
@@ -82,7 +84,8 @@ for switch, option in LADDER:
               "left out", file=sys.stderr)
         continue
     overrides = row["command"].iloc[0].removeprefix("python run.py -m ").rsplit(" seed=", 1)[0]
-    print(f"{overrides} model.n_layers={sys.argv[2]} seed=0")
+    for depth in sys.argv[2].split(","):  # one multirun per depth: all of them side by side
+        print(f"{overrides} model.n_layers={depth} seed=0")
     ready += 1
 sys.exit(0 if ready else "ladder: no configuration is ready")
 PY
@@ -99,12 +102,19 @@ completed() {  # how many runs under $RUNS have finished
   find "$RUNS" -mindepth 3 -maxdepth 3 -name summary.json -exec grep -l '"status": "completed"' {} + 2>/dev/null | wc -l
 }
 
+put_back() {  # runs/<group>/<run>, as collected, into $RUNS; what this machine already holds is kept
+  if [ -d "$HERE/runs" ]; then tar -C "$HERE/runs" -cf - . | tar -C "$RUNS" -xf - --skip-old-files; fi
+}
+
 case "${1:-}" in
+  plan)
+    put_back
+    stage_commands "${2:?stage}" "${3:-}" | sed 's/^/python3 run.py -m /'
+    ;;
   start)
     stage=${2:?stage}
     corpus
-    # runs/<group>/<run>, as collected; what this machine already holds is kept
-    if [ -d "$HERE/runs" ]; then tar -C "$HERE/runs" -cf - . | tar -C "$RUNS" -xf - --skip-old-files; fi
+    put_back
     commands=$(stage_commands "$stage" "${3:-}")
     [ -n "$commands" ] || { echo "stage $stage: nothing to run"; exit 0; }
     name=$stage${3:-}  # e.g. ladder5: stages of different names may run at the same time
@@ -143,5 +153,5 @@ case "${1:-}" in
     cp "$STATE/corpus.json" "$out/corpus.json"
     ls -la "$out"
     ;;
-  *) sed -n 2,20p "$0"; exit 2 ;;
+  *) sed -n 2,21p "$0"; exit 2 ;;
 esac
