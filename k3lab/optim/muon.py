@@ -28,8 +28,9 @@ and one LR scheduler drive the whole model.
 Batching: for plain tensors the Muon step loops over buckets of same-shaped matrices, not over parameters.
 Momentum, Nesterov and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise
 (each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked and
-orthogonalised by one batched `newton_schulz` (at most BUCKET_NUMEL elements a batch), its slices added back
-to their parameters: per matrix the arithmetic of `orthogonal_update`.
+orthogonalised by one batched Newton-Schulz (at most BUCKET_NUMEL elements a batch; `normalized_stack` writes
+the normalised matrices into the stack in the Newton-Schulz dtype), its slices added back to their parameters
+with the scale in the step size: per matrix the arithmetic of `orthogonal_update` up to rounding.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -59,7 +60,7 @@ from torch.optim.adamw import adamw
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2  # Moonlight's update-RMS target
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-BUCKET_NUMEL = 2**28  # elements per batched Newton-Schulz (1 GiB in fp32): bounds the step's transient memory
+BUCKET_NUMEL = 2**28  # elements per batched Newton-Schulz (512 MiB in bf16): bounds the step's transient memory
 
 
 @torch.no_grad()
@@ -69,17 +70,35 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dty
     Quintic iteration X <- aX + (bA + cA^2)X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315),
     run in `dtype` (bf16, as in Muon and Moonlight; fp32 for exact comparisons, where bf16's rounding
     would turn a last-bit difference of g into an update difference of ~1e-3) after dividing by the
-    Frobenius norm (so every singular value starts <= 1), on the wide orientation (rows <= cols, so A is
-    the smaller Gram matrix). The coefficients trade exactness for speed: singular values land in a band
-    around 1 (about [0.7, 1.2]) rather than exactly on it. An iteration is three batched GEMMs, the sums
-    folded into them (baddbmm: bA + cA^2, then aX + (..)X). Returns a tensor of g's shape in `dtype`.
+    Frobenius norm (so every singular value starts <= 1; `normalized_stack`). The coefficients trade
+    exactness for speed: singular values land in a band around 1 (about [0.7, 1.2]) rather than exactly
+    on it. Returns a contiguous tensor of g's shape in `dtype`.
     """
     if g.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
+    x = normalized_stack([g.reshape(-1, *g.shape[-2:])], dtype, eps)  # one batch dim, for bmm
+    return newton_schulz_iterations(x, steps).reshape(g.shape)
+
+
+def normalized_stack(mats: list[Tensor], dtype: torch.dtype, eps: float = 1e-7) -> Tensor:
+    """The batches `mats` ([n_i, rows, cols] each, one shape) stacked into one [sum n_i, rows, cols] in
+    `dtype`, every matrix divided by its Frobenius norm (+ eps). Each norm is taken in fp32 from the
+    batch in place and each quotient written straight into the stack: one read of a batch for its norms
+    and one for the quotient, no fp32 copy of the whole stack."""
+    out = torch.empty((sum(m.size(0) for m in mats), *mats[0].shape[1:]), dtype=dtype, device=mats[0].device)
+    start = 0
+    for m in mats:
+        norm = torch.linalg.matrix_norm(m, keepdim=True, dtype=torch.float32)
+        torch.div(m, norm + eps, out=out[start:start + m.size(0)])
+        start += m.size(0)
+    return out
+
+
+def newton_schulz_iterations(x: Tensor, steps: int) -> Tensor:
+    """The quintic iterations of `newton_schulz` on a normalised batch x [n, rows, cols], on the wide
+    orientation (rows <= cols, so A is the smaller Gram matrix); an iteration is three batched GEMMs with
+    the sums folded in (baddbmm: bA + cA^2, then aX + (..)X). Returns [n, rows, cols], contiguous."""
     a, b, c = NS_COEFFS
-    x = g.float()
-    x = (x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)).to(dtype)
-    x = x.reshape(-1, *x.shape[-2:])  # one batch dim, for bmm
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -87,7 +106,7 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dty
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
-    return (x.mT if tall else x).reshape(g.shape)
+    return (x.mT if tall else x).contiguous()
 
 
 def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
@@ -107,12 +126,10 @@ def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
     return u.reshape(blocks, rows // blocks, cols)
 
 
-def scaled_ortho(mats: Tensor, steps: int, ns_dtype: torch.dtype) -> Tensor:
-    """0.2*sqrt(max(rows, cols)) * NS(mats) for a batch of matrices [n, rows, cols], in mats.dtype, contiguous
-    (a layout that torch's foreach kernels take in one launch with the parameters')."""
-    scale = RMS_MATCH * math.sqrt(max(mats.size(-2), mats.size(-1)))
-    ortho = newton_schulz(mats, steps, dtype=ns_dtype)
-    return ortho.to(mats.dtype, memory_format=torch.contiguous_format).mul_(scale)
+def update_scale(mats: Tensor) -> float:
+    """0.2*sqrt(max(rows, cols)) for a batch of matrices [n, rows, cols]: the factor that gives the update the
+    RMS of a typical AdamW update. The steps fold it into the step size (one pass less over the update)."""
+    return RMS_MATCH * math.sqrt(max(mats.size(-2), mats.size(-1)))
 
 
 def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: torch.dtype = torch.bfloat16
@@ -120,21 +137,23 @@ def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: 
     """The scaled Muon direction 0.2*sqrt(max(rows, cols)) * NS(u) for one parameter's momentum.
 
     u: [rows, cols], or [E, rows, cols] (per expert slice); a whole tensor, never a shard (see
-    `sharded_orthogonal_update`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
+    `sharded_newton_schulz`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
     orthogonalised (and scaled) each on its own. Returns u.dtype.
     """
-    return scaled_ortho(as_matrices(u, head_blocks), steps, ns_dtype).reshape(u.shape)
+    mats = as_matrices(u, head_blocks)
+    return (newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype) * update_scale(mats)).reshape(u.shape)
 
 
-def sharded_orthogonal_update(u: DTensor, head_blocks: int | None, steps: int,
-                              ns_dtype: torch.dtype = torch.bfloat16) -> DTensor:
-    """`orthogonal_update` of a sharded u (a DTensor, e.g. an FSDP2 shard of [rows, cols] or [E, rows, cols]):
-    the whole u is all-gathered, the update computed from it on every rank, and returned with u's
-    placements, each rank keeping its own rows. Equal to `orthogonal_update(u.full_tensor(), ...)`
-    sharded like u."""
-    full = orthogonal_update(u.full_tensor(), head_blocks, steps, ns_dtype)
+def sharded_newton_schulz(u: DTensor, head_blocks: int | None, steps: int,
+                          ns_dtype: torch.dtype = torch.bfloat16) -> tuple[DTensor, float]:
+    """Newton-Schulz of a sharded u (a DTensor, e.g. an FSDP2 shard of [rows, cols] or [E, rows, cols]) and
+    its `update_scale`: the whole u is all-gathered, its matrices (`as_matrices`) orthogonalised on every
+    rank and returned in ns_dtype with u's placements, each rank keeping its own rows; what one device
+    computes from the whole u, sharded like u."""
+    mats = as_matrices(u.full_tensor(), head_blocks)
+    full = newton_schulz(mats, steps, dtype=ns_dtype).reshape(u.shape)
     replicated = DTensor.from_local(full, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(u.device_mesh, u.placements)
+    return replicated.redistribute(u.device_mesh, u.placements), update_scale(mats)
 
 
 def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Tensor]]]:
@@ -220,9 +239,9 @@ class Muon(torch.optim.Optimizer):
         g, m = p.grad, self.state[p]["momentum_buffer"]
         m.mul_(beta).add_(g)
         u = g.add(m, alpha=beta) if group["nesterov"] else m
-        update = sharded_orthogonal_update(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        ortho, scale = sharded_newton_schulz(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr)
+        p.add_(ortho, alpha=-lr * scale)
 
     def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
         """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
@@ -238,9 +257,11 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_mul_(params, 1 - lr * wd)
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for bucket in buckets(us, heads):
-            update = scaled_ortho(torch.cat([mats for _, mats in bucket]), group["ns_steps"], ns_dtype)
-            pieces = list(update.split([mats.size(0) for _, mats in bucket]))
-            torch._foreach_add_([params[i].view(mats.shape) for i, mats in bucket], pieces, alpha=-lr)
+            mats = [m for _, m in bucket]
+            ortho = newton_schulz_iterations(normalized_stack(mats, ns_dtype), group["ns_steps"])
+            pieces = list(ortho.split([m.size(0) for m in mats]))
+            torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces,
+                                alpha=-lr * update_scale(ortho))
 
     def _adamw_step(self, group: dict) -> None:
         """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:
