@@ -95,7 +95,7 @@ def kda(
     if not triton_available():
         raise ImportError(f"kda backend 'triton' is unavailable: {_TRITON_ERROR}") from _TRITON_ERROR
     return _kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate,
-                      recompute_states=recompute_states, recompute_chunks=recompute_chunks)
+                       recompute_states=recompute_states, recompute_chunks=recompute_chunks)
 
 
 def log_decay(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, decay: str = "sigmoid",
@@ -157,8 +157,8 @@ def kda_gated(
     entry the kernel benchmark times). "torch" and "fla" (and "auto" elsewhere) compute the same in
     PyTorch (``gated_inputs``) and call ``core`` (default :func:`kda`) as
     ``core(q, k, v, g, beta, scale=, initial_state=, output_final_state=, backend=, safe_gate=,
-    recompute_states=, recompute_chunks=)``; a caller that wraps or inspects that call passes its own. safe_gate is set for
-    the sigmoid map with g_min >= -5, whose g is bounded below by -5.
+    recompute_states=, recompute_chunks=)``; a caller that wraps or inspects that call passes its own.
+    safe_gate is set for the sigmoid map with g_min >= -5, whose g is bounded below by -5.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -168,9 +168,9 @@ def kda_gated(
         if not triton_available():
             raise ImportError(f"kda backend 'triton' is unavailable: {_TRITON_ERROR}") from _TRITON_ERROR
         return _kda_gated_triton(q, k, v, z, beta_logits, A_log, dt_bias, decay=decay, g_min=g_min, scale=scale,
-                                initial_state=initial_state, output_final_state=output_final_state,
-                                use_qk_l2norm=use_qk_l2norm, recompute_states=recompute_states,
-                                recompute_chunks=recompute_chunks)
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 use_qk_l2norm=use_qk_l2norm, recompute_states=recompute_states,
+                                 recompute_chunks=recompute_chunks)
     q, k, g, beta = gated_inputs(q, k, z, beta_logits, A_log, dt_bias, decay, g_min, use_qk_l2norm)
     safe = decay == "sigmoid" and g_min >= -5
     return (core or kda)(q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -139,8 +139,7 @@ kda_bwd_op = torch.library.custom_op(
     schema="(Tensor? q, Tensor? k, Tensor v, Tensor g, Tensor? beta, Tensor? A_log, Tensor? dt_bias, "
            "Tensor? initial_state, Tensor[] saved, Tensor do, Tensor? dht, float scale, bool safe_gate, int gate, "
            "float g_min, bool fuse_prep, bool recompute_states, bool recompute_chunks, ScalarType q_dtype, "
-           "ScalarType k_dtype, "
-           "ScalarType beta_dtype) -> Tensor[]")
+           "ScalarType k_dtype, ScalarType beta_dtype) -> Tensor[]")
 kda_bwd_op.register_fake(_backward_fake)
 
 
