@@ -29,8 +29,8 @@ Batching: for plain tensors the Muon step loops over buckets of same-shaped matr
 Momentum, Nesterov and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise
 (each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked and
 orthogonalised by one batched Newton-Schulz (at most BUCKET_NUMEL elements a batch; `normalized_stack` writes
-the normalised matrices into the stack in the Newton-Schulz dtype), its slices added back to their parameters
-with the scale in the step size: per matrix the arithmetic of `orthogonal_update` up to rounding.
+the normalised matrices into the stack in the Newton-Schulz dtype), its slices added back to their parameters:
+per matrix the arithmetic of `orthogonal_update`.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -128,7 +128,7 @@ def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
 
 def update_scale(mats: Tensor) -> float:
     """0.2*sqrt(max(rows, cols)) for a batch of matrices [n, rows, cols]: the factor that gives the update the
-    RMS of a typical AdamW update. The steps fold it into the step size (one pass less over the update)."""
+    RMS of a typical AdamW update."""
     return RMS_MATCH * math.sqrt(max(mats.size(-2), mats.size(-1)))
 
 
@@ -137,23 +137,22 @@ def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: 
     """The scaled Muon direction 0.2*sqrt(max(rows, cols)) * NS(u) for one parameter's momentum.
 
     u: [rows, cols], or [E, rows, cols] (per expert slice); a whole tensor, never a shard (see
-    `sharded_newton_schulz`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
+    `sharded_orthogonal_update`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
     orthogonalised (and scaled) each on its own. Returns u.dtype.
     """
     mats = as_matrices(u, head_blocks)
-    return (newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype) * update_scale(mats)).reshape(u.shape)
+    return newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype).mul_(update_scale(mats)).reshape(u.shape)
 
 
-def sharded_newton_schulz(u: DTensor, head_blocks: int | None, steps: int,
-                          ns_dtype: torch.dtype = torch.bfloat16) -> tuple[DTensor, float]:
-    """Newton-Schulz of a sharded u (a DTensor, e.g. an FSDP2 shard of [rows, cols] or [E, rows, cols]) and
-    its `update_scale`: the whole u is all-gathered, its matrices (`as_matrices`) orthogonalised on every
-    rank and returned in ns_dtype with u's placements, each rank keeping its own rows; what one device
-    computes from the whole u, sharded like u."""
-    mats = as_matrices(u.full_tensor(), head_blocks)
-    full = newton_schulz(mats, steps, dtype=ns_dtype).reshape(u.shape)
+def sharded_orthogonal_update(u: DTensor, head_blocks: int | None, steps: int,
+                              ns_dtype: torch.dtype = torch.bfloat16) -> DTensor:
+    """`orthogonal_update` of a sharded u (a DTensor, e.g. an FSDP2 shard of [rows, cols] or [E, rows, cols]):
+    the whole u is all-gathered, the update computed from it on every rank, and returned with u's
+    placements, each rank keeping its own rows. Equal to `orthogonal_update(u.full_tensor(), ...)`
+    sharded like u."""
+    full = orthogonal_update(u.full_tensor(), head_blocks, steps, ns_dtype)
     replicated = DTensor.from_local(full, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(u.device_mesh, u.placements), update_scale(mats)
+    return replicated.redistribute(u.device_mesh, u.placements)
 
 
 def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Tensor]]]:
@@ -239,9 +238,9 @@ class Muon(torch.optim.Optimizer):
         g, m = p.grad, self.state[p]["momentum_buffer"]
         m.mul_(beta).add_(g)
         u = g.add(m, alpha=beta) if group["nesterov"] else m
-        ortho, scale = sharded_newton_schulz(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        update = sharded_orthogonal_update(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         p.mul_(1 - lr * wd)
-        p.add_(ortho, alpha=-lr * scale)
+        p.add_(update, alpha=-lr)
 
     def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
         """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
@@ -259,9 +258,9 @@ class Muon(torch.optim.Optimizer):
         for bucket in buckets(us, heads):
             mats = [m for _, m in bucket]
             ortho = newton_schulz_iterations(normalized_stack(mats, ns_dtype), group["ns_steps"])
-            pieces = list(ortho.split([m.size(0) for m in mats]))
-            torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces,
-                                alpha=-lr * update_scale(ortho))
+            update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
+            pieces = list(update.split([m.size(0) for m in mats]))
+            torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces, alpha=-lr)
 
     def _adamw_step(self, group: dict) -> None:
         """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:
