@@ -112,3 +112,13 @@ def test_ladder_plan_from_the_committed_tuning_runs_every_configuration_and_dept
                                            [("", "", "1"), ("standard", "", "1"), ("", "adamw", "0.5")]
                                            for depth in ("6", "7")}
     assert not list((tmp_path / "runs" / ".slice").glob("running.*"))
+
+
+def test_speed_stage_takes_its_depths(tmp_path):
+    """`plan speed 4`: one timing multirun per configuration at depth 4 only (the headline's size); without
+    depths, 4 and 7."""
+    env = {**os.environ, "STUDY": str(tmp_path / "study"), "RUNS": str(tmp_path / "runs"), "CONFIGS": "\ndecay=softplus"}
+    for depths, want in (("4", "model.n_layers=4 "), ("", "model.n_layers=4,7 ")):
+        lines = [line for line in slice_sh("plan", "speed", *[d for d in [depths] if d], env=env).splitlines()
+                 if line.startswith("python3 run.py -m")]
+        assert len(lines) == 2 and all("group=pycode_speed " + want in line for line in lines), lines

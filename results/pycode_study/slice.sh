@@ -4,7 +4,7 @@
 #   bash results/pycode_study/slice.sh start next      # what the tuning says comes next (analysis.ablate --next)
 #   bash results/pycode_study/slice.sh start ladder 5  # the ladder's configurations at depth 5 (or "6,7")
 #   bash results/pycode_study/slice.sh plan ladder 6,7 # the multiruns a stage would start, started nothing
-#   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7)
+#   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7; or "4")
 #   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the started stages, printing progress
 #   bash results/pycode_study/slice.sh collect "$OUT"  # the run directories, without checkpoints, as one tarball
 # `start` returns at once: the stage's runs go on in their own process session, so one stage can outlast a
@@ -55,14 +55,14 @@ stage_args() {  # the sweep of each configuration in stages tune and speed
   case "$1" in
     tune) echo "optim.lr_scale=0.5,1,2 seed=1000" ;;
     # timing runs, each alone on the GPU, for the headline's throughput ratio (analysis.report --speed)
-    speed) echo "group=pycode_speed model.n_layers=4,7 train.tokens_per_param=null train.max_steps=150 train.val_every=150 seed=0" ;;
+    speed) echo "group=pycode_speed model.n_layers=${2:-4,7} train.tokens_per_param=null train.max_steps=150 train.val_every=150 seed=0" ;;
   esac
 }
 
 stage_commands() {  # one run.py -m argument list per line: one multirun each
   case "$1" in
     tune|speed)
-      args=$(stage_args "$1")
+      args=$(stage_args "$1" "${2:-}")
       while IFS= read -r config; do
         echo "experiment=pycode_study data.path=$CORPUS out_dir=$RUNS $config $args"
       done <<< "${CONFIGS:-$(stage_configs)}" ;;
