@@ -558,10 +558,10 @@ def headline(table: pd.DataFrame, multipliers: Optional[pd.DataFrame] = None,
 
     delta [CI] and verdict: the table's row at the largest model size whose delta has an interval (the
     baseline row's N; ties: the most tokens, then the most seeds), or the largest size where none has
-    one (a ladder of one seed per size above the size that has the seeds). multiplier [CI]: the shared-exponent compute multiplier of the
-    variant 'switch=option' against the baseline from `multipliers` (analysis.scaling.compute_multipliers;
-    NaN without a ladder per variant); > 1: the baseline needs that many times the FLOPs for the variant's
-    loss. tokens_per_s_rel: the variant's throughput over the baseline's in the same runs as the delta, or,
+    one (a ladder of one seed per size above the size that has the seeds). multiplier [CI]: the
+    shared-exponent compute multiplier of the variant 'switch=option' against the baseline from
+    `multipliers` (analysis.scaling.compute_multipliers; NaN without a ladder per variant); > 1: the
+    baseline needs that many times the FLOPs for the variant's loss. tokens_per_s_rel: the variant's throughput over the baseline's in the same runs as the delta, or,
     where those shared their GPU with other runs (device_shared), in the longest cell of the same size
     whose runs did not, from `speed` (the ablation table of timing runs, each option alone) when given,
     else from `table`;
