@@ -122,3 +122,27 @@ def test_speed_stage_takes_its_depths(tmp_path):
         lines = [line for line in slice_sh("plan", "speed", *[d for d in [depths] if d], env=env).splitlines()
                  if line.startswith("python3 run.py -m")]
         assert len(lines) == 2 and all("group=pycode_speed " + want in line for line in lines), lines
+
+
+def test_a_multirun_whose_run_fails_is_started_once_more_and_completes(tmp_path):
+    """A run that dies (here: its first process exits 1 before training, as a CUDA fault would end it) is
+    retried at once by a new `run.py -m` of the same multirun, which completes it; the log says so."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    real = subprocess.run(["bash", "-c", "command -v python3"], capture_output=True, text=True).stdout.strip()
+    (shim / "python3").write_text(  # the first run.py call fails, every other call is the real interpreter
+        f'#!/bin/bash\nif [ "$1" = run.py ] && [ ! -e {tmp_path}/failed-once ]; then\n'
+        f'  touch {tmp_path}/failed-once; echo "AcceleratorError: CUDA error: unspecified launch failure"; exit 1\n'
+        f'fi\nexec {real} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "STUDY": str(tmp_path / "study"),
+           "CORPUS": str(tmp_path / "corpus"), "RUNS": str(tmp_path / "runs"),
+           "PREPARE": "--source python-code --max-docs 80 --vocab-size 300 --workers 1", "EXTRA": TINY,
+           "CONFIGS": "glu=swiglu", "OMP_NUM_THREADS": "1", "K3LAB_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "study").mkdir()
+    slice_sh("start", "speed", "4", env=env)
+    assert "stage finished" in slice_sh("wait", "400", env=env)
+    log = (tmp_path / "runs" / ".slice" / "log.speed4.1").read_text()
+    assert "unspecified launch failure" in log and "a run failed: the multirun once more" in log
+    summaries = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("pycode_speed/*/summary.json")]
+    assert [s["status"] for s in summaries] == ["completed"]

@@ -10,11 +10,12 @@
 # `start` returns at once: the stage's runs go on in their own process session, so one stage can outlast a
 # call and later calls of the same held machine `wait` on it. A stage's sweeps skip the runs already
 # completed in results/pycode_study/runs/<group>/ (copied into place first) and resume killed ones, so a
-# stage started again only trains what is left. Stage `next`: per configuration, one more tuning point
-# beyond the grid's edge where the best rate sits there, else the reported seeds at the chosen rate; start
-# it again once those finish. Stage `ladder`: the K3 default, residual=standard and optim=adamw at their
-# chosen rates, seed 0, one multirun per configuration and depth, all at once; a configuration whose rate is
-# still at its grid's edge is left out, said so.
+# stage started again only trains what is left; a multirun with a failed run is retried once, at once.
+# Stage `next`: per configuration, one more tuning point beyond the grid's edge where the best rate sits
+# there, else the reported seeds at the chosen rate; start it again once those finish. Stage `ladder`: the
+# K3 default, residual=standard and optim=adamw at their chosen rates, seed 0, one multirun per
+# configuration and depth, all at once; a configuration whose rate is still at its grid's edge is left out,
+# said so.
 # Environment: STUDY (the study folder, default results/pycode_study), CORPUS (/tmp/pycode8k), RUNS
 # (/tmp/runs), PREPARE (the prepare arguments), EXTRA (overrides added to every run), CONFIGS (the tune and
 # speed stages' configurations, one per line; default: the stage's). tests/test_study_slice.py runs it on
@@ -124,17 +125,20 @@ case "${1:-}" in
     # throughput ratio from them
     concurrent=$(stage_concurrent "$stage")
     script=$STATE/stage.$name.sh
+    # a multirun that reports a failed run is started once more: it skips the completed runs and resumes the
+    # failed one from its last checkpoint, in a new process (a CUDA fault leaves its process's context unusable)
     { echo "export TORCHINDUCTOR_COMPILE_THREADS=\${TORCHINDUCTOR_COMPILE_THREADS:-2} K3LAB_DEVICE_SHARED=$concurrent"
+      echo 'again() { "$@" || { echo "a run failed: the multirun once more"; "$@"; }; }'
       i=0
       while IFS= read -r args; do
         i=$((i + 1))
-        echo "python3 run.py -m $args $EXTRA > $STATE/log.$name.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
+        echo "again python3 run.py -m $args $EXTRA > $STATE/log.$name.$i 2>&1 $([ "$concurrent" = 1 ] && echo '&')"
       done <<< "$commands"
       echo "wait; rm -f $STATE/running.$name"; } > "$script"
-    grep -o '^python3[^>]*' "$script"
+    sed -n 's/^again \(python3[^>]*\).*/\1/p' "$script"
     touch "$STATE/running.$name"
     setsid bash "$script" > /dev/null 2>&1 < /dev/null &
-    echo "started stage $name: $(grep -c '^python3' "$script") multiruns, logs in $STATE/"
+    echo "started stage $name: $(grep -c '^again python3' "$script") multiruns, logs in $STATE/"
     ;;
   wait)
     limit=${2:?seconds}
@@ -153,5 +157,5 @@ case "${1:-}" in
     cp "$STATE/corpus.json" "$out/corpus.json"
     ls -la "$out"
     ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  *) sed -n 2,22p "$0"; exit 2 ;;
 esac
