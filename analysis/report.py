@@ -267,6 +267,12 @@ def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows"
     if len(df) < 6:
         return
     rep.add("## Scaling laws", definitions(args))
+    ratio = (df["D"] / df["N"]).to_numpy()
+    if ratio.max() < 2 * ratio.min():  # approach 3 needs several D/N per size, approach 2 several sizes per budget
+        rep.add(f"Approaches 3 and 2: skipped. Every run has D/N between {ratio.min():.3g} and {ratio.max():.3g} "
+                "(one tokens-per-parameter ratio), so N's term cannot be told from D's, and each FLOP budget holds "
+                "one size. A ladder like this measures L(C) and the compute multipliers (below).")
+        return
     budgets = (np.array([float(x) for x in args.budgets.split(",")]) if args.budgets
                else default_budgets(df["C"].to_numpy()))
     scen = {label: df}
@@ -438,7 +444,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
             df = runs_to_scaling(col.runs.assign(variant=variants), args.n_def, args.c_def, args.d_col, args.loss_col)
             df = select_rows(df, args.drop_highest, _split(args.best_of), args.where)
             base = df[df["variant"] == args.baseline_variant]
-            if len(np.unique(size_groups(base["N"]))) >= 3:
+            if len(base) >= 6 and len(np.unique(size_groups(base["N"]))) >= 3:
                 rep.add("Approaches 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every variant.")
                 section_scaling(rep, base, args, label=args.baseline_variant)
             mult = section_multipliers(rep, df, args)

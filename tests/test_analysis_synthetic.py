@@ -249,18 +249,31 @@ def test_report_end_to_end(tmp_path):
 
     write_ablation_sweep(tmp_path / "runs" / "ablation")
     write_scaling_ladder(tmp_path / "runs" / "ladder", sizes=np.geomspace(1e5, 3e7, 6))
+    write_isoflop_grid(tmp_path / "runs" / "iso", n_per_budget=5)  # baseline runs at several D/N per size
     path = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--grid", "coarse", "--n-boot", "10",
                    "--n-boot-small", "10"])
     text = path.read_text()
     for needle in ("Skipped runs", "failed: RuntimeError", "summary.json missing", "Partially read runs",
                    "## Headline", "## Ablations", "paired t", "p (Holm)", "Approach 3", "Compute multiplier",
-                   "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding"):
+                   "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding", "Approach 2 (isoFLOP"):
         assert needle in text, needle
     assert text.index("## Headline") < text.index("## Ablations")
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
     assert all(p.stat().st_size < 150_000 and p.with_suffix(".svg").exists() for p in pngs)
 
+
+
+def test_a_ladder_at_one_tokens_per_parameter_ratio_skips_approaches_3_and_2_and_keeps_the_multipliers(tmp_path):
+    """Every run at 20 tokens per parameter: L(N, D) cannot separate N from D, so the report fits no approach 3
+    or 2 (it says why) and still gives L(C) per variant and the compute multiplier."""
+    from analysis.report import main as report
+
+    write_scaling_ladder(tmp_path / "runs", sizes=np.geomspace(1e5, 3e7, 6))
+    text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--n-boot-small", "10"]).read_text()
+    assert "Approaches 3 and 2: skipped. Every run has D/N between 20 and 20" in text
+    assert "### Approach 3" not in text and "### Approach 2" not in text
+    assert "### Loss against compute per variant" in text and "Compute multiplier" in text
 
 def test_single_thread_blas_without_threadpoolctl(monkeypatch):
     """The ctypes fallback limits every loaded OpenBLAS to one thread inside the block and restores it."""
