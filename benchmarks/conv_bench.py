@@ -4,6 +4,8 @@ forward+backward time of the torch path, the fused Triton op and fla's causal_co
     python -m benchmarks.conv_bench                          # CUDA: bf16, B,T,C = 8,4096,1024 and 1,16384,2048
     python -m benchmarks.conv_bench --device cpu             # tiny shape, fp32, torch row only (a smoke test)
     python -m benchmarks.conv_bench --out conv.md            # also write the table to a file
+    python -m benchmarks.conv_bench --sweep-bwd              # CUDA: the backward's weight-gradient kernel
+                                                             # over launch configs, against the default
 
 Rows per shape (x [B, T, C], w [C, W] fp32 as the layer's parameter; bf16 runs under bf16 autocast, as training does):
   torch   kernels.short_conv.short_conv_reference (transpose, conv1d, slice, SiLU, transpose back) and the copy
@@ -14,6 +16,10 @@ fwd ms: the forward alone (no autograd); fwd+bwd ms: the forward with x and w re
 gradients from a fixed random dy. Median over timed calls after warm-up: CUDA events on CUDA, the wall clock
 on the CPU. "/ torch": the row's time over the torch row's, measured in the same call; "y err": relative
 error (L2) of the row's output against the torch row's.
+
+--sweep-bwd (first shape only) times the whole Triton backward (``conv_bwd``) with ``_conv_bwd_g`` launched
+at every tile (BT x BC), warp count and programs per SM of SWEEP_BWD, and prints the ten fastest against
+the default launch timed in the same call, each checked against the default's dx (bitwise) and dw.
 """
 from __future__ import annotations
 
@@ -25,10 +31,12 @@ from pathlib import Path
 
 import torch
 
-from kernels.short_conv import short_conv, short_conv_reference
+from kernels.short_conv import BWD_PROGRAMS_PER_SM, LAUNCH, conv_bwd, short_conv, short_conv_reference
 
 GPU_SHAPES = "8,4096,1024;1,16384,2048"
 CPU_SHAPES = "2,256,64"
+# --sweep-bwd: _conv_bwd_g's tile rows, tile channels, warps and programs per SM
+SWEEP_BWD = dict(BT=(8, 16, 32), BC=(64, 128, 256), num_warps=(2, 4, 8), programs_per_sm=(2, 4, 8, 16))
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -83,6 +91,33 @@ def measure(fn: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, au
     return time_ms(forward, device, reps, warmup), time_ms(forward_backward, device, reps, warmup), forward()
 
 
+def sweep_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, reps: int, warmup: int) -> list[str]:
+    """Lines of the --sweep-bwd table: the default launch, then the ten fastest of SWEEP_BWD."""
+    import itertools
+
+    import triton
+
+    from kernels.device import sm_count
+
+    B, C = x.shape[0], x.shape[2]
+    ref_dx, ref_dw = conv_bwd(x, w, dy)
+    base = time_ms(lambda: conv_bwd(x, w, dy), x.device, reps, warmup)
+    rows = []
+    for bt, bc, nw, per_sm in itertools.product(*SWEEP_BWD.values()):
+        block = dict(BT=bt, BC=bc, num_warps=nw)
+        programs = triton.cdiv(per_sm * sm_count(x.device), triton.cdiv(C, bc) * B)
+        dx, dw = conv_bwd(x, w, dy, time_programs=programs, block_g=block)
+        same = torch.equal(dx, ref_dx) and torch.allclose(dw, ref_dw, rtol=1e-4, atol=1e-4 * ref_dw.abs().max().item())
+        ms = time_ms(lambda: conv_bwd(x, w, dy, time_programs=programs, block_g=block), x.device, reps, warmup)
+        rows.append((ms, f"| {bt} x {bc} | {nw} | {per_sm} | {ms:.4f} | {ms / base:.2f} | {'yes' if same else 'NO'} |"))
+    default = LAUNCH["bwd_g"]
+    return [f"_conv_bwd_g launch sweep, B x T x C = {'x'.join(map(str, x.shape))}: the whole backward's ms "
+            f"(median of {reps}), against the default launch in the same call",
+            "", "| BT x BC | warps | programs/SM | bwd ms | / default | same dx, dw |", "|---|---:|---:|---:|---:|---|",
+            f"| {default['BT']} x {default['BC']} (default) | {default['num_warps']} | {BWD_PROGRAMS_PER_SM} | "
+            f"{base:.4f} | 1.00 | yes |"] + [line for _, line in sorted(rows)[:10]]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -97,9 +132,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--reps", type=int, default=None, help="timed calls per row (default 50 CUDA, 5 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per row (default 10 CUDA, 1 CPU)")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--sweep-bwd", action="store_true", help="CUDA: sweep _conv_bwd_g's launch (SWEEP_BWD)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if args.sweep_bwd and not cuda:
+        p.error("--sweep-bwd times the Triton kernels: it needs --device cuda")
     shapes = parse_shapes(args.shapes or (GPU_SHAPES if cuda else CPU_SHAPES))
     bf16 = (args.dtype or ("bf16" if cuda else "fp32")) == "bf16"
     reps, warmup = args.reps or (50 if cuda else 5), args.warmup if args.warmup is not None else (10 if cuda else 1)
@@ -131,6 +169,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(dict(shape=f"{B}x{T}x{C}", impl=name, fwd_ms=fwd, fwd_ratio=fwd / base[0], fwd_bwd_ms=fwd_bwd,
                              fwd_bwd_ratio=fwd_bwd / base[1], y_err=rel(y, base[2])))
 
+    sweep = []
+    if args.sweep_bwd:
+        B, T, C = shapes[0]
+        x, dy = (torch.randn(B, T, C, generator=gen, device=device).to(torch.bfloat16 if bf16 else torch.float32)
+                 for _ in range(2))
+        sweep = [""] + sweep_bwd(x, torch.randn(C, args.width, generator=gen, device=device) / args.width ** 0.5,
+                                 dy, reps, warmup)
+
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     lines = [f"short conv W={args.width}, {'bf16 (autocast, fp32 w)' if bf16 else 'fp32'}, {name}, "
              f"torch {torch.__version__}, median of {reps} calls",
@@ -141,6 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['fwd_bwd_ratio']:.2f} | {r['y_err']:.1e} |" for r in rows]
     if notes:
         lines += [""] + notes
+    lines += sweep
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -40,12 +40,14 @@ except ImportError:  # Triton is a Linux-only dependency (pyproject): elsewhere 
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Per kernel: time rows x channels of a tile, warps per program. ``_conv_bwd_g`` keeps W accumulator tiles,
-# hence its shorter tiles. On the H200 at B, T, C = 8, 4096, 1024 and 1, 16384, 2048 in bf16, tiles of
-# 32 x 128 with 4 warps ran the forward at about 2.4 TB/s, within 3% of the best of 18 shapes tried.
-LAUNCH = {"fwd": dict(BT=32, BC=128, num_warps=4), "bwd_g": dict(BT=16, BC=128, num_warps=4),
+# hence its smaller tiles. On the H200 at B, T, C = 8, 4096, 1024 and 1, 16384, 2048 in bf16, tiles of
+# 32 x 128 with 4 warps ran the forward at about 2.4 TB/s, within 3% of the best of 18 shapes tried. For
+# ``_conv_bwd_g``, 16 x 64 with 2 warps and 16 programs per SM was the best of 108 configurations at
+# 8, 4096, 1024 (the backward 0.252 ms against 0.321 ms for 16 x 128, 4 warps, 8 per SM).
+LAUNCH = {"fwd": dict(BT=32, BC=128, num_warps=4), "bwd_g": dict(BT=16, BC=64, num_warps=2),
           "bwd_dx": dict(BT=32, BC=128, num_warps=4)}
 # programs per SM of ``_conv_bwd_g``: each walks a strided set of time tiles, so that the partial dw sums stay few
-BWD_PROGRAMS_PER_SM = 8
+BWD_PROGRAMS_PER_SM = 16
 MAX_W = 4  # kernel sizes 1..MAX_W (``_conv_bwd_g`` has one accumulator per tap)
 
 __all__ = ["BACKENDS", "conv_bwd", "conv_fwd", "short_conv", "short_conv_reference", "triton_available"]
@@ -169,12 +171,13 @@ def conv_fwd(x: Tensor, w: Tensor, block: dict | None = None) -> Tensor:
 
 
 def conv_bwd(x: Tensor, w: Tensor, dy: Tensor, block: dict | None = None,
-             time_programs: int | None = None) -> tuple[Tensor, Tensor]:
+             time_programs: int | None = None, block_g: dict | None = None) -> tuple[Tensor, Tensor]:
     """Launch ``_conv_bwd_g`` and ``_conv_bwd_dx``: x [B, T, C], w [C, W], dy [B, T, C] -> dx [B, T, C]
     (x's dtype) and dw [C, W] (w's dtype). block: BT, BC and num_warps for both kernels in place of
-    ``LAUNCH``. time_programs: ``_conv_bwd_g`` programs per (channel block, sequence), each taking every
+    ``LAUNCH``; block_g: for ``_conv_bwd_g`` alone (the launch sweep of ``benchmarks.conv_bench``).
+    time_programs: ``_conv_bwd_g`` programs per (channel block, sequence), each taking every
     time_programs-th time tile; by default enough for ``BWD_PROGRAMS_PER_SM`` programs per SM."""
-    (cfg_g, nt_g, nc_g), (cfg_dx, nt, nc) = _launch("bwd_g", x, w, block), _launch("bwd_dx", x, w, block)
+    (cfg_g, nt_g, nc_g), (cfg_dx, nt, nc) = _launch("bwd_g", x, w, block_g or block), _launch("bwd_dx", x, w, block)
     w_dtype = w.dtype
     x, w, dy = x.contiguous(), w.float().contiguous(), dy.contiguous()
     B, T, C = x.shape

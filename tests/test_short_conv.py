@@ -82,6 +82,15 @@ def _run_checks() -> dict:
         if name in OP_CASES:
             out[f"op_{name}"] = errors(through_autograd(lambda x, w: short_conv(x, w, "triton"), x, w, dy), ref)
 
+    # _conv_bwd_g launched apart from _conv_bwd_dx (block_g), and the launch sweep of benchmarks.conv_bench
+    x, w, dy = make_inputs(2, 37, 40, 4, "float32", "float32")
+    out["g_tile16_dx_tile32"] = errors([conv_fwd(x, w), *conv_bwd(x, w, dy, TILE32, 2, block_g=TILE16)],
+                                       reference(x, w, dy))
+    from benchmarks import conv_bench
+
+    conv_bench.SWEEP_BWD = dict(BT=(8, 16), BC=(16,), num_warps=(1,), programs_per_sm=(1, 3))
+    out["sweep"] = conv_bench.sweep_bwd(x, w, dy, reps=1, warmup=0)
+
     x, w, dy = make_inputs(2, 20, 24, 4, "float32", "float32")
     forward = torch.library.opcheck(short_conv_fwd_op, (x.requires_grad_(), w.requires_grad_()))
     backward = torch.library.opcheck(short_conv_bwd_op, (x.detach(), w.detach(), dy))
@@ -111,6 +120,21 @@ def test_interpreter_matches_float64_reference(results, case):
     assert [errs[n][1] for n in NAMES] == [f"torch.{xd}", f"torch.{xd}", f"torch.{wd}"], errs
     bad = {n: e for n, (e, dt) in errs.items() if not e < LIMIT[dt]}
     assert not bad, errs
+
+
+def test_weight_gradient_kernel_takes_its_own_launch(results):
+    """conv_bwd(block=32 x 32, block_g=16 x 16): _conv_bwd_g on its own tiles, dx and dw still within 1e-5."""
+    assert all(e < LIMIT[dt] for e, dt in results["g_tile16_dx_tile32"].values()), results["g_tile16_dx_tile32"]
+
+
+def test_launch_sweep_times_every_config_and_checks_it_against_the_default(results):
+    """benchmarks.conv_bench --sweep-bwd on a grid of 4: the default's row and the four, each one's dx and dw
+    the default's."""
+    lines = results["sweep"]
+    rows = [line for line in lines if line.startswith("| ") and "BT x BC" not in line]
+    assert len(rows) == 5 and "(default)" in rows[0] and all(line.endswith("| yes |") for line in rows), lines
+    assert sorted(line.split(" | ")[0].lstrip("| ") + "/" + line.split(" | ")[2] for line in rows[1:]) == [
+        "16 x 16/1", "16 x 16/3", "8 x 16/1", "8 x 16/3"]
 
 
 def test_custom_ops_pass_opcheck(results):
