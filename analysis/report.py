@@ -39,13 +39,24 @@ from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chi
 
 
 class Report:
-    """Markdown lines plus figures written beside them."""
+    """Markdown lines plus figures and tables written beside them. The folder's `.report-files` lists what
+    the last report wrote, so that a report written again removes its predecessor's files it did not
+    write again (a figure of a section now skipped would otherwise stay, looking current); no other file
+    in the folder is touched."""
+
+    MANIFEST = ".report-files"
 
     def __init__(self, out: Path, formats: tuple = ("png", "svg")):
         self.out = out
         self.formats = formats
         self.lines: list[str] = []
+        self.written: set[str] = set()
         out.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        """The path of a file this report writes (recorded in the manifest)."""
+        self.written.add(name)
+        return self.out / name
 
     def add(self, *text: str) -> None:
         self.lines.extend(text)
@@ -61,13 +72,18 @@ class Report:
     def figure(self, fig, name: str, caption: str) -> None:
         if fig is None:
             return
-        plots.save(fig, self.out / name, formats=self.formats)
+        self.written.update(p.name for p in plots.save(fig, self.out / name, formats=self.formats))
         link = f" ([SVG]({name}.svg))" if "svg" in self.formats else ""
         self.add(f"![{caption}]({name}.png)", f"*{caption}*{link}")
 
     def write(self, name: str = "report.md") -> Path:
-        path = self.out / name
+        path = self.path(name)
         path.write_text("\n".join(self.lines))
+        manifest = self.out / self.MANIFEST
+        if manifest.exists():
+            for stale in set(manifest.read_text().split()) - self.written:
+                (self.out / stale).unlink(missing_ok=True)
+        manifest.write_text("\n".join(sorted(self.written)) + "\n")
         return path
 
 
@@ -136,14 +152,14 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
                 (args.tune_seeds or f"seed >= {TUNE_SEED_MIN}") + "), reported on the other seeds. `rate` is the "
                 "rate each row used, `grid_edge` says when the choice lies at an edge of the grid tried (widen it).")
     rep.table(display_table(table))
-    table.to_csv(rep.out / "ablation.csv", index=False)
+    table.to_csv(rep.path("ablation.csv"), index=False)
     rep.add("Full table (with every run id): [ablation.csv](ablation.csv).", *[f"- note: {n}" for n in notes])
     tuning = tuning_table(table)
     if not tuning.empty:
         rep.add("### Tuning", "Every setting tried, with its mean on the tuning seeds; the chosen one per option with "
                               "the command that runs the reported seeds at it.")
         rep.table(tuning)
-        tuning.to_csv(rep.out / "tuning.csv", index=False)
+        tuning.to_csv(rep.path("tuning.csv"), index=False)
     rep.figure(plots.plot_ablation(table), "ablation_deltas", "Delta against the baseline with 95% CIs")
     metric = "loss/val" if (col.curves["metric"] == "loss/val").any() else "loss/train"
     for s in dict.fromkeys(table["switch"]):
@@ -181,7 +197,7 @@ def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[p
     h = headline(table, mult, speed)
     if h.empty:
         return
-    h.to_csv(rep.out / "headline.csv", index=False)
+    h.to_csv(rep.path("headline.csv"), index=False)
     ladder = ("" if mult is not None else " No ladder per variant here, so no compute multiplier: run a size ladder "
               "(sweeps/scaling_ladder.yaml) of the baseline and of the option to get one.")
     rep.insert(at, "## Headline",

@@ -275,6 +275,24 @@ def test_a_ladder_at_one_tokens_per_parameter_ratio_skips_approaches_3_and_2_and
     assert "### Approach 3" not in text and "### Approach 2" not in text
     assert "### Loss against compute per variant" in text and "Compute multiplier" in text
 
+
+def test_a_report_written_again_removes_the_figures_it_no_longer_writes_and_nothing_else(tmp_path):
+    """First with an isoFLOP grid (approach 3 and 2 figures), then on a fixed-ratio ladder into the same
+    folder: the approach figures of the first report go, the second's files and a file of the user's stay."""
+    from analysis.report import main as report
+
+    write_isoflop_grid(tmp_path / "iso", n_per_budget=5)
+    write_scaling_ladder(tmp_path / "ladder", sizes=np.geomspace(1e5, 3e7, 6))
+    out = tmp_path / "rep"
+    report([str(tmp_path / "iso"), "--out", str(out), "--grid", "coarse", "--n-boot", "5", "--n-boot-small", "5"])
+    assert (out / "isoflop.png").exists() and (out / "optimal_allocation.svg").exists()
+    (out / "notes.txt").write_text("mine")
+    report([str(tmp_path / "ladder"), "--out", str(out), "--n-boot-small", "5"])
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"isoflop.png", "isoflop.svg", "optimal_allocation.png", "loss_vs_compute_fit.png"}, names
+    assert {"report.md", "notes.txt", "compute_multipliers.png", "ablation.csv"} <= names, names
+    assert set((out / ".report-files").read_text().split()) == names - {"notes.txt", ".report-files"}
+
 def test_single_thread_blas_without_threadpoolctl(monkeypatch):
     """The ctypes fallback limits every loaded OpenBLAS to one thread inside the block and restores it."""
     import analysis._blas as blas
@@ -712,3 +730,19 @@ def test_log_axis_panels_leave_out_step_0_and_show_short_runs(tmp_path):
     assert list(step.get_xdata()) == [0, 200]
     assert list(tokens.get_xdata()) == [1e6] and tokens.get_marker() == "o"
     assert list(flops.get_xdata()) == [6 * 2e6 * 1e6] and fig.axes[1].get_xscale() == "log"
+
+
+def test_a_figure_saved_again_has_the_same_bytes(tmp_path):
+    """plots.save writes no date and fixed SVG ids: the same figure saved twice is the same file, so committed
+    report figures change only with their content."""
+    import matplotlib.pyplot as plt
+
+    from analysis import plots
+
+    contents = []
+    for folder in ("a", "b"):
+        fig, ax = plt.subplots()
+        ax.plot([1, 2, 3], [3, 1, 2], label="loss")
+        ax.legend()
+        contents.append([p.read_bytes() for p in plots.save(fig, tmp_path / folder / "curve")])
+    assert contents[0] == contents[1] and len(contents[0]) == 2
