@@ -39,12 +39,15 @@ X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "tra
 
 
 def save(fig, stem: str | os.PathLike, dpi: int = 80, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Write `stem`.png (always) and `stem`.svg (when in formats), close the figure, return the paths."""
+    """Write `stem`.png (always) and `stem`.svg (when in formats), close the figure, return the paths. The
+    same figure gives the same bytes (no date in the metadata, fixed SVG ids), so a committed report's
+    figures change in git only when what they show does."""
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_suffix("." + f) for f in dict.fromkeys(("png", *formats))]
     for p in paths:
-        fig.savefig(p, dpi=dpi)
+        with plt.rc_context({"svg.hashsalt": stem.name}):
+            fig.savefig(p, dpi=dpi, metadata={"Date": None} if p.suffix == ".svg" else None)
     plt.close(fig)
     return paths
 
