@@ -112,15 +112,19 @@ def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
         rep.add("### Partially read runs", "Used: their summary.json counts in every table; their curves have only "
                                            "the lines that could be read.")
         rep.table(col.partial[["run_id", "reason"]])
+    every = col.dirs[["run_id", "state", "reason"]]
     if not col.runs.empty:
         r = col.runs.assign(variant=variants)
         cols = [c for c in ("model", "variant") if c in r]
-        summ = r.groupby(cols, dropna=False).agg(runs=("run_id", "size"),
-                                                 seeds=("seed", lambda s: ",".join(map(str, sorted(set(s))))),
-                                                 tokens=("tokens", "max")).reset_index()
-        rep.table(summ)
-    rep.add(f"<details><summary>Every run directory ({len(col.dirs)})</summary>", "",
-            markdown_table(col.dirs[["run_id", "state", "reason"]]), "", "</details>")
+        joined = lambda s: ",".join(map(str, sorted(set(s.dropna()))))  # noqa: E731
+        agg = dict(runs=("run_id", "size"), seeds=("seed", joined), tokens=("tokens", "max"))
+        if "git_rev" in r:  # the commits that ran them (summary.json's git_rev)
+            agg["commits"] = ("git_rev", joined)
+            every = every.merge(r[["run_id", "git_rev"]].rename(columns={"git_rev": "commit"}), on="run_id",
+                                how="left")
+        rep.table(r.groupby(cols, dropna=False).agg(**agg).reset_index())
+    rep.add(f"<details><summary>Every run directory ({len(col.dirs)})</summary>", "", markdown_table(every), "",
+            "</details>")
 
 
 def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFrame]:

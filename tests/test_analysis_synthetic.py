@@ -257,6 +257,7 @@ def test_report_end_to_end(tmp_path):
                    "## Headline", "## Ablations", "paired t", "p (Holm)", "Approach 3", "Compute multiplier",
                    "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding", "Approach 2 (isoFLOP"):
         assert needle in text, needle
+    assert "| runs | seeds | tokens | commits |" in text and "| used |  | synthetic |" in text  # who ran them
     assert text.index("## Headline") < text.index("## Ablations")
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
