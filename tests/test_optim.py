@@ -592,3 +592,18 @@ def test_state_dict_resume_is_exact(name):
     run(5, resumed, opt2, sched2, start=10)
     for pa, pb in zip(ref.parameters(), resumed.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_muon_bench_counts_the_newton_schulz_work_and_splits_heads_only_per_head():
+    """benchmarks.muon_bench on the CPU's tiny model: Newton-Schulz FLOPs by the formula (a batch of 2 matrices
+    4 x 8, 5 iterations: 2 x 5 x (4*16*8 + 2*64)), one table row per variant, and per-head Muon orthogonalising
+    more (smaller) matrices than global Muon, with AdamW running none."""
+    from benchmarks.muon_bench import main, ns_flops
+
+    assert ns_flops([(2, 4, 8, 5)]) == ns_flops([(2, 8, 4, 5)]) == 2 * 5 * (4 * 16 * 8 + 2 * 64)
+    text = main(["trainer=cpu", "--warmup", "0", "--steps", "1",
+                 "--variants", "optim=muon_per_head,optim=muon,optim=adamw"])
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()
+            if line.startswith("| optim=")}
+    matrices = {v: int(r[-1].split(" in ")[0]) for v, r in rows.items()}
+    assert matrices["optim=muon_per_head"] > matrices["optim=muon"] > 0 == matrices["optim=adamw"], text

@@ -246,14 +246,9 @@ class Muon(torch.optim.Optimizer):
         """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
         bucket (`buckets`). Transient memory: the group's Nesterov directions, and one bucket's stack with
         its Newton-Schulz intermediates at a time."""
-        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        lr = group["lr"]
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_mul_(bufs, beta)
-        torch._foreach_add_(bufs, grads)
-        us = torch._foreach_add(grads, bufs, alpha=beta) if group["nesterov"] else bufs
-        torch._foreach_mul_(params, 1 - lr * wd)
+        us = self.directions(group, params)
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for bucket in buckets(us, heads):
             mats = [m for _, m in bucket]
@@ -261,6 +256,19 @@ class Muon(torch.optim.Optimizer):
             update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
             pieces = list(update.split([m.size(0) for m in mats]))
             torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces, alpha=-lr)
+
+    def directions(self, group: dict, params: list[Tensor]) -> list[Tensor]:
+        """The elementwise start of a batched Muon step on plain tensors (foreach ops): momentum
+        m <- beta m + g, the direction u = g + beta m (Nesterov) or m, and the decoupled weight decay
+        p <- (1 - lr wd) p. Returns the directions, one per parameter."""
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, beta)
+        torch._foreach_add_(bufs, grads)
+        us = torch._foreach_add(grads, bufs, alpha=beta) if group["nesterov"] else bufs
+        torch._foreach_mul_(params, 1 - lr * wd)
+        return us
 
     def _adamw_step(self, group: dict) -> None:
         """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:

@@ -1,0 +1,135 @@
+"""The optimizer step of a config's model on random gradients, timed whole and by part, against its roofline.
+
+    python -m benchmarks.muon_bench trainer=gpu model=small model.d_model=1024 model.n_layers=12 moe.n_experts=16
+    python -m benchmarks.muon_bench trainer=gpu model=small --variants "optim=muon_per_head,optim=muon"
+    python -m benchmarks.muon_bench trainer=cpu                      # the tiny default model: a smoke test
+
+The positional arguments are run.py's Hydra overrides; --variants as in benchmarks.step (override sets
+separated by commas, each on top of the positional ones). Per variant the model and optimizer come from the
+project's builders (K3Model, build_optimizer) in the parameter dtype of trainer.precision, every gradient
+drawn from N(0, 1). Each part is timed alone, --steps calls after --warmup (CUDA events on CUDA, the wall
+clock elsewhere), on the same parameters, gradients and state:
+
+  step        Muon.step(): every group, what training runs
+  directions  the Muon groups' momentum, Nesterov direction and weight decay (Muon.directions)
+  stack       normalized_stack of every Newton-Schulz bucket (the norms and the quotient in the ns dtype)
+  ns          newton_schulz_iterations of every bucket
+  adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
+  rest        step minus the parts above: the update's cast and scale and its add into the parameters
+
+ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over its time,
+and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). directions GB/s: the bytes its foreach
+ops move (10 passes over the Muon parameters' elements: momentum scaled and added to, the direction, the
+decay) over its time. Parts stay comparable across variants of one call: optim=muon (one matrix per
+weight) against optim=muon_per_head (one per head block) is the cost of the per-head switch.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+import torch
+
+from benchmarks.step import compose_config, device_of, precision_of, split_variants, timed
+from k3lab.config import OptimConfig, model_config, typed
+from k3lab.lit import PEAK_FLOPS
+from k3lab.model import K3Model
+from k3lab.optim import build_optimizer
+from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_iterations, normalized_stack
+
+PARTS = ("step", "directions", "stack", "ns", "adamw", "rest")
+
+
+def ns_flops(shapes: list[tuple[int, int, int, int]]) -> float:
+    """FLOPs of the quintic Newton-Schulz on batches (n, rows, cols, iterations): per matrix and iteration,
+    with r the smaller and c the larger side, the Gram matrix (2 r^2 c), its polynomial (2 r^3) and the
+    update (2 r^2 c)."""
+    return float(sum(n * it * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for n, r, c, it in shapes))
+
+
+def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
+    """Callables of the parts (see the module docstring) for optimizer `opt`, its Newton-Schulz batches
+    (matrices, rows, cols, iterations) and the bytes one `directions` part moves."""
+    muon = [g for g in opt.param_groups if g["use_muon"]]
+    adamw = [g for g in opt.param_groups if not g["use_muon"]]
+    for group in muon:  # the state a first step would create, so that every part runs on it
+        for p in group["params"]:
+            opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+    batches = []  # (group, the matrices of one bucket), as the step makes them
+    for group in muon:
+        heads = [h if group["per_head"] else 0 for h in group["head_blocks"]]
+        batches += [(group, [m for _, m in b]) for b in buckets([p.grad for p in group["params"]], heads)]
+    stacks = [(normalized_stack(mats, NS_DTYPES[g["ns_dtype"]]), g["ns_steps"]) for g, mats in batches]
+    shapes = [(*s.shape, it) for s, it in stacks]
+    passes = {True: 10, False: 7}  # momentum scaled (2) and added to (3), the Nesterov direction (3), decay (2)
+    moved = sum(passes[g["nesterov"]] * p.numel() * p.element_size() for g in muon for p in g["params"])
+    parts = {
+        "step": opt.step,
+        "directions": lambda: [opt.directions(g, g["params"]) for g in muon],
+        "stack": lambda: [normalized_stack(mats, NS_DTYPES[g["ns_dtype"]]) for g, mats in batches],
+        "ns": lambda: [newton_schulz_iterations(s, it) for s, it in stacks],
+        "adamw": lambda: [opt._adamw_step(g) for g in adamw],
+    }
+    return parts, shapes, moved
+
+
+def measure(cfg, warmup: int, steps: int) -> dict:
+    """The parts' milliseconds and the roofline numbers of one variant."""
+    device = device_of(cfg)
+    dtype, _ = precision_of(cfg, device)
+    torch.manual_seed(cfg.seed)
+    model = K3Model(model_config(cfg, cfg.data.vocab_size)).to(device=device, dtype=dtype)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt, _ = build_optimizer(model, typed(OptimConfig, cfg.optim), total_steps=warmup + steps)
+    parts, shapes, moved = muon_parts(opt)
+    with torch.no_grad():  # as in Muon.step
+        ms = {name: 1e3 * timed(fn, warmup, steps, device) for name, fn in parts.items()}
+    ms["rest"] = ms["step"] - sum(ms[n] for n in PARTS[1:5])
+    return dict(ms=ms, ns_flops=ns_flops(shapes), moved=moved, matrices=sum(s[0] for s in shapes),
+                buckets=len(shapes))
+
+
+def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    lines = [f"optimizer step on {name}, torch {torch.__version__}; ms per call of each part", "",
+             "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | directions GB/s | matrices in buckets |",
+             "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]
+    for variant, r in rows:
+        ms = r["ms"]
+        tflops = r["ns_flops"] / (ms["ns"] * 1e-3) / 1e12 if ms["ns"] > 0 else float("nan")
+        share = f" ({tflops * 1e12 / peak:.0%})" if peak else ""
+        gbs = r["moved"] / (ms["directions"] * 1e-3) / 1e9 if ms["directions"] > 0 else float("nan")
+        lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(f"{ms[p]:.2f}" for p in PARTS)
+                     + f" | {tflops:.1f}{share} | {gbs:.0f} | {r['matrices']} in {r['buckets']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.muon_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls of each part")
+    p.add_argument("--steps", type=int, default=10, help="timed calls of each part")
+    p.add_argument("--variants", default="", help="override sets, comma-separated, each space-separated")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
+    p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
+    args = p.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        p.error("--warmup must be >= 0 and --steps >= 1")
+    rows = []
+    for variant in split_variants(args.variants):
+        cfg = compose_config([*args.overrides, *shlex.split(variant)])
+        if cfg.data.get("vocab_size") is None:
+            p.error(f"data={cfg.data.name} takes its vocabulary from the corpus: give data.vocab_size=N")
+        rows.append((variant, measure(cfg, args.warmup, args.steps)))
+        print(f"  {variant or '(overrides only)'}: step {rows[-1][1]['ms']['step']:.2f} ms", flush=True)
+    text = table(rows, device_of(cfg))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
