@@ -1,7 +1,8 @@
 """results/pycode_study/slice.sh on the CPU, at a stand-in size: a stage starts detached and returns, `wait`
-sees it finish, `collect` packs the run directories without checkpoints, the corpus identity is recorded;
-started again on a fresh run folder with the collected runs put back, the stage skips every run; stage
-`next` runs what the tuning says comes next and stage `ladder` refuses a configuration with no tuned rate."""
+sees it finish, `collect` packs the run directories without checkpoints, the corpus identity is recorded,
+`import` takes the completed runs into the study; started again on a fresh run folder with the imported runs
+put back, the stage skips every run; stage `next` runs what the tuning says comes next and stage `ladder`
+refuses a configuration with no tuned rate."""
 import json
 import os
 import subprocess
@@ -42,9 +43,23 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
     identity = json.loads((out / "corpus.json").read_text())
     assert identity == json.loads((study / "corpus.json").read_text()) and identity["vocab_size"] == 300
 
-    # a later slice: a fresh run folder, the collected runs in the study folder; the same stage trains nothing
+    # here: `import` puts the completed runs into the study folder, five files each, once; a run that did not
+    # complete stays out and is named
     with tarfile.open(out / "runs.tgz") as tar:
-        tar.extractall(study / "runs", filter="data")
+        failed = sorted(n for n in names if n.endswith("summary.json"))[0]
+        summary = json.load(tar.extractfile(failed))
+    (tmp_path / "failed" / Path(failed).parent).mkdir(parents=True)
+    (tmp_path / "failed" / failed).write_text(json.dumps({**summary, "status": "failed", "error": "AcceleratorError: x"}))
+    with tarfile.open(tmp_path / "failed.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "failed", arcname=".")
+    imported = slice_sh("import", str(tmp_path / "failed.tgz"), env=env)
+    assert "imported 0 completed runs" in imported and "1 not completed" in imported and "AcceleratorError" in imported
+    assert "imported 6 completed runs" in slice_sh("import", str(out / "runs.tgz"), env=env)
+    assert "imported 0 completed runs" in slice_sh("import", str(out / "runs.tgz"), env=env)
+    kept = {p.name for p in (study / "runs").glob("pycode_study/*/*")}
+    assert kept == {"config.yaml", "metrics.csv", "metrics.jsonl", "overrides.yaml", "summary.json"}, kept
+
+    # a later slice: a fresh run folder, the imported runs in the study folder; the same stage trains nothing
     env["RUNS"] = str(tmp_path / "runs2")
     slice_sh("start", "tune", env=env)
     assert "stage finished" in slice_sh("wait", "400", env=env)

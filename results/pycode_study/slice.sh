@@ -7,6 +7,7 @@
 #   bash results/pycode_study/slice.sh start speed     # timing runs of each configuration alone (depths 4, 7; or "4")
 #   bash results/pycode_study/slice.sh wait 540        # wait up to 540 s for the started stages, printing progress
 #   bash results/pycode_study/slice.sh collect "$OUT"  # the run directories, without checkpoints, as one tarball
+#   bash results/pycode_study/slice.sh import runs.tgz # here: its completed runs into runs/<group>/ (5 files each)
 # `start` returns at once: the stage's runs go on in their own process session, so one stage can outlast a
 # call and later calls of the same held machine `wait` on it. A stage's sweeps skip the runs already
 # completed in results/pycode_study/runs/<group>/ (copied into place first) and resume killed ones, so a
@@ -157,5 +158,38 @@ case "${1:-}" in
     cp "$STATE/corpus.json" "$out/corpus.json"
     ls -la "$out"
     ;;
-  *) sed -n 2,22p "$0"; exit 2 ;;
+  import)  # here, after a slice: the completed runs of a collected runs.tgz into the study's runs/<group>/
+    python3 - "${2:?runs.tgz}" "$HERE" <<'PY'
+import json, shutil, sys, tarfile, tempfile
+from pathlib import Path
+
+KEEP = ("config.yaml", "metrics.csv", "metrics.jsonl", "overrides.yaml", "summary.json")  # no plots, no checkpoints
+tgz, here = Path(sys.argv[1]), Path(sys.argv[2])
+corpus, known = tgz.with_name("corpus.json"), here / "corpus.json"
+if corpus.exists() and known.exists() and json.loads(corpus.read_text()) != json.loads(known.read_text()):
+    sys.exit(f"{corpus} differs from {known}: these runs read another corpus; nothing imported")
+added, there, left = 0, 0, []
+with tempfile.TemporaryDirectory() as tmp:
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp, filter="data")
+    for summary in sorted(Path(tmp).glob("*/*/summary.json")):
+        run, s = summary.parent, json.loads(summary.read_text())
+        name = f"{run.parent.name}/{run.name}"
+        if s.get("status") != "completed":
+            left.append(f"{name}: {s.get('status')}, {(s.get('error') or '').strip().splitlines()[:1]}")
+            continue
+        dest = here / "runs" / name
+        if (dest / "summary.json").exists():
+            there += 1
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in KEEP:
+            shutil.copy2(run / f, dest / f)
+        added += 1
+print(f"imported {added} completed runs into {here / 'runs'}; {there} were there already; {len(left)} not completed")
+for line in left:
+    print(f"  not completed (not imported): {line}")
+PY
+    ;;
+  *) sed -n 2,23p "$0"; exit 2 ;;
 esac
