@@ -176,7 +176,7 @@ with tempfile.TemporaryDirectory() as tmp:
         run, s = summary.parent, json.loads(summary.read_text())
         name = f"{run.parent.name}/{run.name}"
         if s.get("status") != "completed":
-            left.append(f"{name}: {s.get('status')}, {(s.get('error') or '').strip().splitlines()[:1]}")
+            left.append(f"{name}: {s.get('status')}; {next(iter((s.get('error') or '').splitlines()), '')}")
             continue
         dest = here / "runs" / name
         if (dest / "summary.json").exists():
