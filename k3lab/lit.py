@@ -1,7 +1,8 @@
 """LightningModule: the training step, validation, router balancing and metric logging around K3Model.
 
 Metrics go straight to the trainer's loggers (JsonlLogger, plus wandb when enabled) with explicit
-steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve.
+steps, so every line of metrics.jsonl has a known step and a resumed run continues the same curve; a
+step's training row is written (by the TrainMetrics callback) before that step's checkpoint.
 
 Host syncs. A training step reads nothing back from the device: its loss and gradient norm join a window
 of device tensors, and `check_finite` reads the window (one all-reduce, one copy to the host) only at the
@@ -100,6 +101,16 @@ def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
     return out
 
 
+class TrainMetrics(L.Callback):
+    """Writes the training module's metrics row of each log step (K3LitModule.log_train_step) before any
+    checkpoint of that step. Lightning runs the callbacks' on_train_batch_end before the module's, and the
+    checkpoint callbacks last among them; a row written from the module's own hook would follow its step's
+    checkpoint, and a run killed between the two would resume after a step whose row is missing."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log_train_step()
+
+
 class K3LitModule(L.LightningModule):
     def __init__(self, model: K3Model, optim_cfg: OptimConfig, max_steps: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float, ckpt_every: int = 0):
@@ -164,7 +175,8 @@ class K3LitModule(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         self.model.update_router_biases()  # bias from step t is used from step t+1 (K3 §2.3)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
+    def log_train_step(self) -> None:
+        """The training metrics of the step just taken, at a log step (TrainMetrics calls it)."""
         step = self.global_step
         if step % self.log_every and step != self.max_steps:
             return

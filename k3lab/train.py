@@ -42,7 +42,7 @@ from k3lab.config import (DataConfig, LoggerConfig, OptimConfig, TrainConfig, Tr
 from k3lab.data import K3DataModule
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
-from k3lab.lit import K3LitModule
+from k3lab.lit import K3LitModule, TrainMetrics
 from k3lab.model import K3Model
 from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
@@ -257,7 +257,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: 
             val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
             limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
             overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
-            callbacks=[ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
+            callbacks=[TrainMetrics(), ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
             enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
             deterministic=deterministic_mode(tc),
             # FSDP2's all-gathered parameters cannot be inference tensors (on CUDA its unshard reads their

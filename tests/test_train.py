@@ -134,6 +134,33 @@ def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
         assert abs(loss - ref_train[step]) < 1e-5, (step, loss, ref_train[step], both)
 
 
+
+def test_a_step_s_metrics_row_is_written_before_its_checkpoint(corpus, tmp_path, monkeypatch):
+    """Every checkpoint of step s is saved after metrics.jsonl holds step s's training row, so a run killed
+    right after a checkpoint resumes with no row missing (a row written after the checkpoint was lost so)."""
+    from k3lab.rundir import AtomicCheckpointIO, JsonlLogger
+
+    events = []
+    log_metrics, save = JsonlLogger.log_metrics, AtomicCheckpointIO.save_checkpoint
+
+    def logged(self, metrics, step=None):
+        if "loss/train" in metrics:
+            events.append(("row", step))
+        return log_metrics(self, metrics, step)
+
+    def saved(self, checkpoint, path, storage_options=None):
+        events.append(("checkpoint", checkpoint["global_step"]))
+        return save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(JsonlLogger, "log_metrics", logged)
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", saved)
+    run_inprocess(overrides(corpus, tmp_path, "train.max_steps=6", "train.val_every=100", "train.ckpt_every=2",
+                            "train.log_every=1", "run_name=order"))
+    saves = [i for i, (kind, _) in enumerate(events) if kind == "checkpoint"]
+    assert [events[i][1] for i in saves] == [2, 4, 6, 6], events  # the periodic ones, then the final one
+    for i in saves:
+        assert ("row", events[i][1]) in events[:i], events
+
 def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
     """benchmarks.qb_lag rides along as a callback: the run's curve is bit-identical to a plain run, its
     `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
