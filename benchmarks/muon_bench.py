@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.step import compose_config, device_of, precision_of, split_variants, timed
 from k3lab.config import OptimConfig, model_config, typed
-from k3lab.lit import PEAK_FLOPS
+from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
 from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_iterations, normalized_stack
@@ -92,7 +92,7 @@ def measure(cfg, warmup: int, steps: int) -> dict:
 
 def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    peak = peak_flops() if device.type == "cuda" else None
     lines = [f"optimizer step on {name}, torch {torch.__version__}; ms per call of each part", "",
              "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | directions GB/s | matrices in buckets |",
              "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]

@@ -61,7 +61,7 @@ from omegaconf import DictConfig
 from k3lab.config import DataConfig, ModelConfig, OptimConfig, compile_mode, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
-from k3lab.lit import PEAK_FLOPS
+from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
 from k3lab.rundir import read_metrics
@@ -360,8 +360,7 @@ def progress(row: Row) -> str:
 
 
 def table(rows: list[Row], header: list[str]) -> str:
-    peak = next((v for k, v in PEAK_FLOPS.items() if torch.cuda.is_available() and k in torch.cuda.get_device_name()),
-                None)
+    peak = peak_flops()
     with_fla = any(r.fla for r in rows)
     extra = " ours / fla tokens/s | ours / fla memory |" if with_fla else ""
     lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB | of it parameters, "

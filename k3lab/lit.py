@@ -43,6 +43,13 @@ from k3lab.parallel import is_sharded, shard_model
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
 
+def peak_flops() -> float | None:
+    """The dense bf16 peak FLOP/s of this process's CUDA device (PEAK_FLOPS), None without one or when unknown."""
+    if not torch.cuda.is_available():
+        return None
+    return next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+
+
 class NonFiniteLossError(UserError, RuntimeError):
     """The loss stopped being finite; the message gives the step and what to change (printed as one line)."""
 
@@ -122,8 +129,7 @@ class K3LitModule(L.LightningModule):
         self.ckpt_every = ckpt_every
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
-        self.peak_flops = next((v for k, v in PEAK_FLOPS.items()
-                                if torch.cuda.is_available() and k in torch.cuda.get_device_name()), None)
+        self.peak_flops = peak_flops()
         self._step_loss: torch.Tensor | None = None
         self._window: list[torch.Tensor] = []  # per step since the last read: [loss, grad norm] on the device
         self._loss_sum, self._loss_count, self._steps = 0.0, 0, 0  # since the last log: read losses, steps run
