@@ -134,10 +134,9 @@ def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):
         assert abs(loss - ref_train[step]) < 1e-5, (step, loss, ref_train[step], both)
 
 
-
 def test_a_step_s_metrics_row_is_written_before_its_checkpoint(corpus, tmp_path, monkeypatch):
     """Every checkpoint of step s is saved after metrics.jsonl holds step s's training row, so a run killed
-    right after a checkpoint resumes with no row missing (a row written after the checkpoint was lost so)."""
+    right after a checkpoint resumes with no row missing."""
     from k3lab.rundir import AtomicCheckpointIO, JsonlLogger
 
     events = []
