@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
@@ -35,6 +35,21 @@ def _plain_log(axis) -> None:
     axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_formatter(NullFormatter())
+
+
+def _decade_labels(axis) -> None:
+    """Log axis of large numbers (tokens, FLOPs) over 3x to 100x: ticks at 1, 2, 5 x 10^k labelled in
+    powers of ten, the minor ticks unlabelled (matplotlib labels them under about two decades, and the
+    labels overlap). Narrower and wider ranges keep matplotlib's ticks."""
+    axis.axes.autoscale_view()
+    lo, hi = axis.get_view_interval()
+    if not 3 * lo < hi < 100 * lo:
+        return
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(LogFormatterSciNotation(labelOnlyBase=False))
+    axis.set_minor_formatter(NullFormatter())
+
+
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "flops": "training FLOPs"}
 
 
@@ -77,9 +92,7 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
                     marker="o" if few else None, ms=3)
         if x != "step":
             ax.set_xscale("log")
-            lo, hi = ax.get_xlim()
-            if hi > 10 * lo:  # over a decade the 10^k labels suffice; under one, matplotlib labels minor ticks
-                ax.xaxis.set_minor_formatter(NullFormatter())
+            _decade_labels(ax.xaxis)
         ax.set_xlabel(X_LABELS.get(x, x))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -124,6 +137,7 @@ def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, fron
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log(ax.yaxis)
+    _decade_labels(ax.xaxis)
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3, which="both")
@@ -290,6 +304,7 @@ def plot_multipliers(mult: pd.DataFrame):
         ax.axhspan(sh["lo"], sh["hi"], color=col, alpha=0.12)
     ax.axhline(1, color="k", lw=0.8)
     ax.set_xscale("log")
+    _decade_labels(ax.xaxis)
     ax.set_xlabel("training FLOPs C")
     ax.set_ylabel("compute multiplier vs baseline")
     ax.legend(fontsize=7)
