@@ -12,8 +12,8 @@ clock elsewhere), on the same parameters, gradients and state:
 
   step        Muon.step(): every group, what training runs
   directions  the Muon groups' momentum, Nesterov direction and weight decay (Muon.directions)
-  stack       normalized_stack of every Newton-Schulz bucket (the norms and the quotient in the ns dtype)
-  ns          newton_schulz_iterations of every bucket
+  stack       the copy of every Newton-Schulz bucket into one batch in the ns dtype (muon.stack)
+  ns          newton_schulz_iterations of every bucket (the Frobenius norms included)
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
   rest        step minus the parts above: the update's cast and scale and its add into the parameters
 
@@ -35,7 +35,7 @@ from k3lab.config import OptimConfig, model_config, typed
 from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
-from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_iterations, normalized_stack
+from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_iterations, stack
 
 PARTS = ("step", "directions", "stack", "ns", "adamw", "rest")
 
@@ -59,14 +59,14 @@ def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
     for group in muon:
         heads = [h if group["per_head"] else 0 for h in group["head_blocks"]]
         batches += [(group, [m for _, m in b]) for b in buckets([p.grad for p in group["params"]], heads)]
-    stacks = [(normalized_stack(mats, NS_DTYPES[g["ns_dtype"]]), g["ns_steps"]) for g, mats in batches]
+    stacks = [(stack(mats, NS_DTYPES[g["ns_dtype"]]), g["ns_steps"]) for g, mats in batches]
     shapes = [(*s.shape, it) for s, it in stacks]
     passes = {True: 10, False: 7}  # momentum scaled (2) and added to (3), the Nesterov direction (3), decay (2)
     moved = sum(passes[g["nesterov"]] * p.numel() * p.element_size() for g in muon for p in g["params"])
     parts = {
         "step": opt.step,
         "directions": lambda: [opt.directions(g, g["params"]) for g in muon],
-        "stack": lambda: [normalized_stack(mats, NS_DTYPES[g["ns_dtype"]]) for g, mats in batches],
+        "stack": lambda: [stack(mats, NS_DTYPES[g["ns_dtype"]]) for g, mats in batches],
         "ns": lambda: [newton_schulz_iterations(s, it) for s, it in stacks],
         "adamw": lambda: [opt._adamw_step(g) for g in adamw],
     }

@@ -133,11 +133,26 @@ def newton_schulz_formula(g, steps=5, eps=1e-7, dtype=torch.float32):
 
 @pytest.mark.parametrize("shape", [(32, 128), (128, 32), (5, 24, 40), (5, 40, 24), (2, 3, 16, 20), (48, 48)])
 def test_newton_schulz_baddbmm_equals_the_formula(shape):
-    """Folding the sums into baddbmm changes only fp32 rounding (bf16 rounds fewer intermediates now)."""
+    """Folding the sums into baddbmm and the Frobenius norms into the first Gram matrix changes only fp32
+    rounding (bf16 rounds fewer intermediates now)."""
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     got = newton_schulz(g, dtype=torch.float32)
     assert got.shape == g.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, newton_schulz_formula(g), rtol=0, atol=5e-6)  # measured <= 1.5e-6
+    torch.testing.assert_close(got, newton_schulz_formula(g), rtol=0, atol=5e-6)  # measured <= 1.2e-6
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e4])
+def test_newton_schulz_normalises_each_matrix_of_a_batch(scale):
+    """The norms taken from the first Gram matrix normalise every matrix on its own: one matrix of a batch
+    scaled by 1e-3 or 1e4 (norms far above the eps of 1e-7) gives the same result as unscaled, the others
+    unchanged; 0 iterations return the normalised batch itself."""
+    g = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(3))
+    scaled = g.clone()
+    scaled[1] *= scale
+    torch.testing.assert_close(newton_schulz(scaled, dtype=torch.float32), newton_schulz(g, dtype=torch.float32),
+                               rtol=0, atol=1e-5)
+    unit = g / torch.linalg.matrix_norm(g, keepdim=True)
+    torch.testing.assert_close(newton_schulz(scaled, steps=0, dtype=torch.float32), unit, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- the Muon update

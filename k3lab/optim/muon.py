@@ -27,10 +27,10 @@ and one LR scheduler drive the whole model.
 
 Batching: for plain tensors the Muon step loops over buckets of same-shaped matrices, not over parameters.
 Momentum, Nesterov and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise
-(each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked and
-orthogonalised by one batched Newton-Schulz (at most BUCKET_NUMEL elements a batch; `normalized_stack` writes
-the normalised matrices into the stack in the Newton-Schulz dtype), its slices added back to their parameters:
-per matrix the arithmetic of `orthogonal_update`.
+(each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked in the
+Newton-Schulz dtype and orthogonalised by one batched Newton-Schulz (at most BUCKET_NUMEL elements a batch; the
+Frobenius norms come from its first Gram matrix, so the stack is one copy), its slices added back to their
+parameters: per matrix the arithmetic of `orthogonal_update`.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -69,40 +69,56 @@ def newton_schulz(g: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dty
 
     Quintic iteration X <- aX + (bA + cA^2)X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315),
     run in `dtype` (bf16, as in Muon and Moonlight; fp32 for exact comparisons, where bf16's rounding
-    would turn a last-bit difference of g into an update difference of ~1e-3) after dividing by the
-    Frobenius norm (so every singular value starts <= 1; `normalized_stack`). The coefficients trade
-    exactness for speed: singular values land in a band around 1 (about [0.7, 1.2]) rather than exactly
-    on it. Returns a contiguous tensor of g's shape in `dtype`.
+    would turn a last-bit difference of g into an update difference of ~1e-3) on g divided by its
+    Frobenius norm (+ eps), so that every singular value starts <= 1. The coefficients trade exactness
+    for speed: singular values land in a band around 1 (about [0.7, 1.2]) rather than exactly on it.
+    Returns a contiguous tensor of g's shape in `dtype`.
     """
     if g.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices, got shape {tuple(g.shape)}")
-    x = normalized_stack([g.reshape(-1, *g.shape[-2:])], dtype, eps)  # one batch dim, for bmm
-    return newton_schulz_iterations(x, steps).reshape(g.shape)
+    x = stack([g.reshape(-1, *g.shape[-2:])], dtype)  # one batch dim, for bmm
+    return newton_schulz_iterations(x, steps, eps).reshape(g.shape)
 
 
-def normalized_stack(mats: list[Tensor], dtype: torch.dtype, eps: float = 1e-7) -> Tensor:
-    """The batches `mats` ([n_i, rows, cols] each, one shape) stacked into one [sum n_i, rows, cols] in
-    `dtype`, every matrix divided by its Frobenius norm (+ eps). Each norm is taken in fp32 from the
-    batch in place and each quotient written straight into the stack: one read of a batch for its norms
-    and one for the quotient, no fp32 copy of the whole stack."""
+def stack(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The batches `mats` ([n_i, rows, cols] each, one shape) copied into one [sum n_i, rows, cols] in
+    `dtype`: one read of each batch, no normalisation (`newton_schulz_iterations` takes the norms from
+    its first Gram matrix)."""
     out = torch.empty((sum(m.size(0) for m in mats), *mats[0].shape[1:]), dtype=dtype, device=mats[0].device)
     start = 0
     for m in mats:
-        norm = torch.linalg.matrix_norm(m, keepdim=True, dtype=torch.float32)
-        torch.div(m, norm + eps, out=out[start:start + m.size(0)])
+        out[start:start + m.size(0)].copy_(m)
         start += m.size(0)
     return out
 
 
-def newton_schulz_iterations(x: Tensor, steps: int) -> Tensor:
-    """The quintic iterations of `newton_schulz` on a normalised batch x [n, rows, cols], on the wide
-    orientation (rows <= cols, so A is the smaller Gram matrix); an iteration is three batched GEMMs with
-    the sums folded in (baddbmm: bA + cA^2, then aX + (..)X). Returns [n, rows, cols], contiguous."""
+def newton_schulz_iterations(x: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
+    """The quintic iterations of `newton_schulz` on a batch x [n, rows, cols], on the wide orientation
+    (rows <= cols, so A is the smaller Gram matrix); an iteration is three batched GEMMs with the sums
+    folded in (baddbmm: bA + cA^2, then aX + (..)X). Returns [n, rows, cols], contiguous.
+
+    x need not be normalised: the first iteration divides by the Frobenius norms s = ||x||_F + eps
+    without a pass over x. With A = x x^T, ||x||_F^2 = trace(A), and for x' = x / s
+
+        x1 = a x' + (b A' + c A'^2) x' = ((a I + b A' + c A'^2) / s) x,   A' = A / s^2,
+
+    so only the small Gram matrices are scaled (the batch needs the entries of A finite in x's dtype:
+    Frobenius norms below about 1e19 in bf16, far beyond clipped gradients' momentum)."""
     a, b, c = NS_COEFFS
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    for _ in range(steps):
+    gram = torch.bmm(x, x.mT)
+    norm = gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32).sqrt()  # [n], ||x||_F
+    inv = (1 / (norm + eps))[:, None, None]
+    if steps == 0:
+        x = x * inv.to(x.dtype)
+    else:
+        gram.mul_(inv.square().to(x.dtype))
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = torch.bmm(poly.mul_(inv.to(x.dtype)), x)
+    for _ in range(steps - 1):
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
@@ -252,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for bucket in buckets(us, heads):
             mats = [m for _, m in bucket]
-            ortho = newton_schulz_iterations(normalized_stack(mats, ns_dtype), group["ns_steps"])
+            ortho = newton_schulz_iterations(stack(mats, ns_dtype), group["ns_steps"])
             update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
             pieces = list(update.split([m.size(0) for m in mats]))
             torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces, alpha=-lr)
