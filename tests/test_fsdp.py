@@ -1,7 +1,7 @@
 """FSDP2 on 2 CPU processes (gloo): k3lab.parallel.shard_model keeps the parameter tags, reduces the
 same gradients as one process over the pooled batch, pools the QB quantile over both ranks, and Muon on
 the DTensor shards makes the one-device update bit for bit (Newton-Schulz on whole matrices, head blocks
-and experts), which Newton-Schulz on the local shards would not."""
+and experts, batched over same-shaped parameters), which Newton-Schulz on the local shards would not."""
 import copy
 import socket
 import zlib
@@ -19,6 +19,7 @@ from k3lab.lit import clip_grad_norm
 from k3lab.model import K3Model
 from k3lab.model.tags import named_tags
 from k3lab.optim import Muon, orthogonal_update, param_groups
+from k3lab.optim import muon as muon_module
 
 from test_train import ROOT
 
@@ -99,12 +100,25 @@ def _worker(rank: int, port: int) -> None:
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 p.copy_(shard_like(q.detach().clone(), p))
         opt, ref_opt = Muon(sharded_groups), Muon(ref_groups)
+        calls = []
+        iterations = muon_module.newton_schulz_iterations
+        muon_module.newton_schulz_iterations = lambda x, *args: calls.append(len(x)) or iterations(x, *args)
         for step in range(2):  # the second step reads the momentum and Adam moments kept on the shards
             for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
                 q.grad = draw(q, name, step)
                 p.grad = shard_like(q.grad.clone(), p)
+            calls.clear()
             opt.step()
+            sharded_calls = list(calls)
+            calls.clear()
             ref_opt.step()
+        muon_module.newton_schulz_iterations = iterations
+        # the shards' Newton-Schulz is batched: one call per shape of whole parameter, not one per
+        # parameter, over the same matrices as one device's buckets
+        muon_params = [(p, h) for g in sharded_groups if g["use_muon"] for p, h in zip(g["params"], g["head_blocks"])]
+        shapes = {(tuple(p.shape), h) for p, h in muon_params}
+        assert len(sharded_calls) == len(shapes) < len(muon_params), (sharded_calls, len(muon_params))
+        assert sum(sharded_calls) == sum(calls), (sharded_calls, calls)
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.full_tensor(), q.detach()), name
 

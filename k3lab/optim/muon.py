@@ -45,12 +45,14 @@ u, as one device would, and applies the rows of its own shard (a Replicate -> Sh
 is local slicing). This is Moonlight's Distributed Muon (arXiv:2502.16982: gather each matrix from its
 data-parallel shards, orthogonalise it whole, keep the local partition): the update is bit for bit the
 one-device update of the same momentum, at the price of one all-gather per Muon matrix per step and of
-every rank computing every Newton-Schulz. Sharded parameters keep this per-parameter path (no buckets).
+every rank computing every Newton-Schulz. The gathered directions are orthogonalised in the same
+buckets as plain tensors, one group of same-shaped parameters (`shard_chunks`) gathered at a time.
 The AdamW groups are elementwise and run on the shards unchanged.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -153,22 +155,11 @@ def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: 
     """The scaled Muon direction 0.2*sqrt(max(rows, cols)) * NS(u) for one parameter's momentum.
 
     u: [rows, cols], or [E, rows, cols] (per expert slice); a whole tensor, never a shard (see
-    `sharded_orthogonal_update`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
+    `Muon._sharded_muon_step`). head_blocks=H splits a 2-D u into H row blocks [rows/H, cols] that are
     orthogonalised (and scaled) each on its own. Returns u.dtype.
     """
     mats = as_matrices(u, head_blocks)
     return newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype).mul_(update_scale(mats)).reshape(u.shape)
-
-
-def sharded_orthogonal_update(u: DTensor, head_blocks: int | None, steps: int,
-                              ns_dtype: torch.dtype = torch.bfloat16) -> DTensor:
-    """`orthogonal_update` of a sharded u (a DTensor, e.g. an FSDP2 shard of [rows, cols] or [E, rows, cols]):
-    the whole u is all-gathered, the update computed from it on every rank, and returned with u's
-    placements, each rank keeping its own rows. Equal to `orthogonal_update(u.full_tensor(), ...)`
-    sharded like u."""
-    full = orthogonal_update(u.full_tensor(), head_blocks, steps, ns_dtype)
-    replicated = DTensor.from_local(full, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(u.device_mesh, u.placements)
 
 
 def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Tensor]]]:
@@ -186,6 +177,35 @@ def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Te
         bucket.append((i, mats))
         open_[key] = bucket, numel + mats.numel()
     return done + [bucket for bucket, _ in open_.values()]
+
+
+def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtype: torch.dtype
+                   ) -> Iterator[tuple[list[int], list[Tensor]]]:
+    """The scaled Muon updates 0.2*sqrt(max(rows, cols)) * NS(u) of plain tensors `us`, one bucket
+    (`buckets`) at a time: (indices into us, updates shaped like those u, in u's dtype). Per matrix the
+    arithmetic of `orthogonal_update`; one bucket's stack and Newton-Schulz intermediates live at a time."""
+    for bucket in buckets(us, head_blocks):
+        mats = [m for _, m in bucket]
+        ortho = newton_schulz_iterations(stack(mats, ns_dtype), steps)
+        update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
+        pieces = update.split([m.size(0) for m in mats])
+        yield [i for i, _ in bucket], [piece.view(us[i].shape) for (i, _), piece in zip(bucket, pieces)]
+
+
+def shard_chunks(us: list[DTensor], head_blocks: list[int]) -> list[list[int]]:
+    """Indices of sharded directions `us` in groups of one global shape, head blocks and dtype, each at
+    most BUCKET_NUMEL elements (a larger tensor alone): what one gather-and-orthogonalise round takes, so
+    that the whole tensors of one group, never of every parameter, are gathered at a time."""
+    open_, done = {}, []
+    for i, (u, heads) in enumerate(zip(us, head_blocks)):
+        key = (tuple(u.shape), heads, u.dtype)
+        chunk, numel = open_.get(key, ([], 0))
+        if chunk and numel + u.numel() > BUCKET_NUMEL:
+            done.append(chunk)
+            chunk, numel = [], 0
+        chunk.append(i)
+        open_[key] = chunk, numel + u.numel()
+    return done + [chunk for chunk, _ in open_.values()]
 
 
 class Muon(torch.optim.Optimizer):
@@ -243,38 +263,39 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             (sharded if isinstance(p, DTensor) else plain).append((p, heads if group["per_head"] else 0))
-        for p, heads in sharded:
-            self._sharded_muon_step(group, p, heads)
+        if sharded:
+            self._sharded_muon_step(group, sharded)
         if plain:
             self._batched_muon_step(group, plain)
 
-    def _sharded_muon_step(self, group: dict, p: DTensor, heads: int) -> None:
-        """One DTensor parameter: momentum on the shards, Newton-Schulz on the gathered whole."""
-        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        g, m = p.grad, self.state[p]["momentum_buffer"]
-        m.mul_(beta).add_(g)
-        u = g.add(m, alpha=beta) if group["nesterov"] else m
-        update = sharded_orthogonal_update(u, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
-        p.mul_(1 - lr * wd)
-        p.add_(update, alpha=-lr)
-
-    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
-        """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
-        bucket (`buckets`). Transient memory: the group's Nesterov directions, and one bucket's stack with
-        its Newton-Schulz intermediates at a time."""
-        lr = group["lr"]
+    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]]) -> None:
+        """DTensor (parameter, head_blocks) pairs: momentum, direction and decay on the shards; then per
+        `shard_chunks` group, the whole directions all-gathered (`DTensor.full_tensor`), orthogonalised by
+        `bucket_updates` as on one device, and each rank adds the rows of its own shard (a Replicate ->
+        Shard redistribute, which is local slicing)."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
         us = self.directions(group, params)
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
-        for bucket in buckets(us, heads):
-            mats = [m for _, m in bucket]
-            ortho = newton_schulz_iterations(stack(mats, ns_dtype), group["ns_steps"])
-            update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
-            pieces = list(update.split([m.size(0) for m in mats]))
-            torch._foreach_add_([params[i].view(m.shape) for (i, _), m in zip(bucket, mats)], pieces, alpha=-lr)
+        for chunk in shard_chunks(us, heads):
+            whole = [us[i].full_tensor() for i in chunk]
+            for idx, updates in bucket_updates(whole, [heads[i] for i in chunk], group["ns_steps"], ns_dtype):
+                for j, update in zip(idx, updates):
+                    p = params[chunk[j]]
+                    replicated = DTensor.from_local(update, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                                    run_check=False)
+                    p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"])
+
+    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
+        """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
+        bucket (`bucket_updates`). Transient memory: the group's Nesterov directions, and one bucket's stack
+        with its Newton-Schulz intermediates at a time."""
+        params, heads = [p for p, _ in pairs], [h for _, h in pairs]
+        us = self.directions(group, params)
+        for idx, updates in bucket_updates(us, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]]):
+            torch._foreach_add_([params[i] for i in idx], updates, alpha=-group["lr"])
 
     def directions(self, group: dict, params: list[Tensor]) -> list[Tensor]:
-        """The elementwise start of a batched Muon step on plain tensors (foreach ops): momentum
+        """The elementwise start of a Muon step (foreach ops, on plain tensors or on DTensor shards): momentum
         m <- beta m + g, the direction u = g + beta m (Nesterov) or m, and the decoupled weight decay
         p <- (1 - lr wd) p. Returns the directions, one per parameter."""
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
