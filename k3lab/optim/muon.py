@@ -162,21 +162,28 @@ def orthogonal_update(u: Tensor, head_blocks: int | None, steps: int, ns_dtype: 
     return newton_schulz(mats, steps, dtype=ns_dtype).to(u.dtype).mul_(update_scale(mats)).reshape(u.shape)
 
 
+def group_indices(keys: list, sizes: list[int]) -> list[list[int]]:
+    """Indices 0..n-1 grouped by equal key, each group at most BUCKET_NUMEL elements by `sizes` (a group
+    that would pass it is closed and a new one opened; a larger item stands alone): the closed groups in
+    the order they closed, then the open ones in first-seen order."""
+    open_, done = {}, []
+    for i, (key, size) in enumerate(zip(keys, sizes)):
+        group, numel = open_.get(key, ([], 0))
+        if group and numel + size > BUCKET_NUMEL:
+            done.append(group)
+            group, numel = [], 0
+        group.append(i)
+        open_[key] = group, numel + size
+    return done + [group for group, _ in open_.values()]
+
+
 def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Tensor]]]:
     """The matrices of every u (`as_matrices`), bucketed by (rows, cols, dtype, device) for one batched
     Newton-Schulz each: lists of (index into us, [n, rows, cols]); a bucket over BUCKET_NUMEL elements
-    is split between whole tensors."""
-    open_, done = {}, []
-    for i, (u, heads) in enumerate(zip(us, head_blocks)):
-        mats = as_matrices(u, heads)
-        key = (*mats.shape[1:], mats.dtype, mats.device)
-        bucket, numel = open_.get(key, ([], 0))
-        if bucket and numel + mats.numel() > BUCKET_NUMEL:
-            done.append(bucket)
-            bucket, numel = [], 0
-        bucket.append((i, mats))
-        open_[key] = bucket, numel + mats.numel()
-    return done + [bucket for bucket, _ in open_.values()]
+    is split between whole tensors (`group_indices`)."""
+    mats = [as_matrices(u, heads) for u, heads in zip(us, head_blocks)]
+    keys = [(*m.shape[1:], m.dtype, m.device) for m in mats]
+    return [[(i, mats[i]) for i in group] for group in group_indices(keys, [m.numel() for m in mats])]
 
 
 def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtype: torch.dtype
@@ -194,18 +201,10 @@ def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtyp
 
 def shard_chunks(us: list[DTensor], head_blocks: list[int]) -> list[list[int]]:
     """Indices of sharded directions `us` in groups of one global shape, head blocks and dtype, each at
-    most BUCKET_NUMEL elements (a larger tensor alone): what one gather-and-orthogonalise round takes, so
-    that the whole tensors of one group, never of every parameter, are gathered at a time."""
-    open_, done = {}, []
-    for i, (u, heads) in enumerate(zip(us, head_blocks)):
-        key = (tuple(u.shape), heads, u.dtype)
-        chunk, numel = open_.get(key, ([], 0))
-        if chunk and numel + u.numel() > BUCKET_NUMEL:
-            done.append(chunk)
-            chunk, numel = [], 0
-        chunk.append(i)
-        open_[key] = chunk, numel + u.numel()
-    return done + [chunk for chunk, _ in open_.values()]
+    most BUCKET_NUMEL elements (`group_indices`): what one gather-and-orthogonalise round takes, so that
+    the whole tensors of one group, never of every parameter, are gathered at a time."""
+    keys = [(tuple(u.shape), heads, u.dtype) for u, heads in zip(us, head_blocks)]
+    return group_indices(keys, [u.numel() for u in us])
 
 
 class Muon(torch.optim.Optimizer):
