@@ -10,10 +10,12 @@ under autocast meets its fp32 weight unrounded (nn.Conv1d under autocast rounds 
 - forward ``_conv_fwd``: one [BT, BC] tile of y per program, from W time-shifted loads of x (the W-1 rows
   of halo come from the cache); nothing is kept but x and w.
 - backward, two kernels: ``_conv_bwd_g`` recomputes the pre-activation p from x and writes
-  g = dy * silu'(p) [B, T, C] (fp32) and partial sums of dw[c, j] = sum_{b, t} g[b, t, c] x[b, t - (W-1) + j, c];
+  g = dy * silu'(p) [B, T, C] in x's dtype (dy's precision; half of fp32's bytes in bf16) and partial sums
+  of dw[c, j] = sum_{b, t} g[b, t, c] x[b, t - (W-1) + j, c] (from g before its rounding);
   ``_conv_bwd_dx`` reads g back W times shifted, dx[t] = sum_j w[c, j] g[t + (W-1) - j], like the forward.
   A single fused kernel has to recompute g at the W-1 rows past its tile too (W^2 loads and W sigmoids per
-  element): on the H200 (B, T, C = 8, 4096, 1024, bf16) it took 0.39 ms at best against 0.29 ms for the pair.
+  element): on the H200 (B, T, C = 8, 4096, 1024, bf16) it took 0.39 ms at best against 0.29 ms for the pair
+  (with g in fp32).
   Each ``_conv_bwd_g`` program walks a fixed set of time tiles of one (channel block, batch), sums the dw
   products elementwise over them and over time once at the end, and writes its partial dw sums; torch adds
   them (``.sum(0)``), so the result does not depend on scheduling (no atomics). dx comes back in x's dtype,
@@ -98,7 +100,7 @@ def _conv_fwd(x, w, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr
 
 @jit
 def _conv_bwd_g(x, w, dy, g, dw_part, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """g = dy * silu'(p) [B, T, C] (fp32) on time tiles k, k + n, k + 2n, ... (k, n: program id and count
+    """g = dy * silu'(p) [B, T, C] (g's dtype) on time tiles k, k + n, k + 2n, ... (k, n: program id and count
     along grid axis 0) of one channel block (axis 1) and sequence (axis 2), and this program's partial dw
     sums dw_part[b * n + k] [C, W] (fp32). The products g x[t - (W-1) + j] are summed elementwise over the
     tiles, one [BT, BC] accumulator per tap (W <= MAX_W), and over time once at the end."""
@@ -117,7 +119,8 @@ def _conv_bwd_g(x, w, dy, g, dw_part, T, C, W: tl.constexpr, BT: tl.constexpr, B
         p = _pre(x, w, t, c, cmask, T, C, W)
         sig = tl.sigmoid(p)
         gt = _rows(dy, t, c, cmask, T, C) * sig * (1 + p * (1 - sig))  # zero past T (dy is masked)
-        tl.store(g + t.to(tl.int64)[:, None] * C + c[None, :], gt, mask=(t < T)[:, None] & cmask[None, :])
+        tl.store(g + t.to(tl.int64)[:, None] * C + c[None, :], gt.to(g.dtype.element_ty),
+                 mask=(t < T)[:, None] & cmask[None, :])
         acc0 += gt * _rows(x, t - (W - 1), c, cmask, T, C)
         if W > 1:
             acc1 += gt * _rows(x, t - (W - 2), c, cmask, T, C)
@@ -185,7 +188,7 @@ def conv_bwd(x: Tensor, w: Tensor, dy: Tensor, block: dict | None = None,
     if time_programs is None:
         time_programs = triton.cdiv(BWD_PROGRAMS_PER_SM * sm_count(x.device), nc_g * B)
     n = max(1, min(nt_g, time_programs))
-    g = torch.empty_like(x, dtype=torch.float32)
+    g = torch.empty_like(x)
     dw_part = x.new_empty((B * n, C, W), dtype=torch.float32)
     _conv_bwd_g[(n, nc_g, B)](x, w, dy, g, dw_part, T, C, W=W, BT=cfg_g["BT"], BC=cfg_g["BC"],
                               num_warps=cfg_g["num_warps"])
