@@ -83,12 +83,13 @@ def _chunked(h, weight, targets, ignore_index, chunk, dtype, with_grad):
             t_safe = torch.where(valid, t, 0)[:, None]                       # [c, 1]
             z = x @ w.T                                                       # [c, V] compute dtype
             zf = z.float()
-            nll = zf.logsumexp(-1) - zf.gather(1, t_safe).squeeze(1)          # [c] fp32
-            del zf
+            lse = zf.logsumexp(-1)                                            # [c] fp32
+            nll = lse - zf.gather(1, t_safe).squeeze(1)
             loss = loss + torch.where(valid, nll, 0.0).sum()
             correct = correct + ((z.argmax(-1) == t) & valid).sum()
             if with_grad:
-                g = torch.softmax(z, -1, dtype=torch.float32)                 # dL/dz = softmax - onehot
+                # dL/dz = softmax - onehot, the softmax from the same log-sum-exp (no second max and sum)
+                g = torch.exp(zf - lse[:, None])
                 g.scatter_add_(1, t_safe, -valid[:, None].float())
                 g = g.to(dtype)
                 keep = valid[:, None].to(dtype)                               # rows without a target: no gradient
