@@ -119,7 +119,7 @@ class MixerConfig:
 class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
-    recompute_chunks: bool = False  # triton: keep only KDA's inputs, rerun its chunk kernels too (implies states)
+    recompute_chunks: bool = False  # triton: keep only KDA's inputs and Tinv, rerun its chunk kernels (implies states)
     checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     checkpoint_experts: bool = False  # rerun the routed experts' GLUs in the backward, keep only their input
     ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab

@@ -165,12 +165,13 @@ def _run_checks() -> dict:
         "saved_bytes_difference": kept_bytes - recomputed_bytes,
         "state_bytes": 1 * 2 * 3 * 32 * 16 * 4,  # B * H * NT * K * V * 4 with NT = ceil(150 / 64)
     }
-    # recompute_chunks: the forward keeps its inputs only and the backward reruns its chunk kernels; bitwise
+    # recompute_chunks: the forward keeps its inputs and Tinv only, the backward reruns its chunk kernels; bitwise
     chunk_bytes, chunked = saved_bytes(lambda: outputs_and_grads(partial(kda_triton, recompute_chunks=True), inputs))
     out["recompute_chunks"] = {
         "max_abs_difference": max((a - b).abs().max().item() for a, b in zip(kept, chunked)),
         "saved_bytes": chunk_bytes,
         "input_bytes": sum(x.numel() * x.element_size() for x in inputs),
+        "tinv_bytes": 1 * 2 * 192 * 64 * 4,  # Tinv [B, H, Tp, BT] fp32 with Tp = 64 * ceil(150 / 64)
         # the loss (o * do).sum() + (ht * dht).sum() saves the cotangents do and dht, the size of o and ht
         "cotangent_bytes": sum(x.numel() * x.element_size() for x in kept[:2]),
     }
@@ -242,12 +243,13 @@ def test_recompute_states_same_results_less_memory(results):
     assert r["saved_bytes_difference"] == r["state_bytes"]
 
 
-def test_recompute_chunks_keeps_only_the_inputs_and_gives_the_same_results(results):
+def test_recompute_chunks_keeps_only_the_inputs_and_tinv_and_gives_the_same_results(results):
     """With recompute_chunks the forward keeps nothing for the backward but its inputs (q, k, v, g, beta and
-    the initial state), and the backward, rerunning the chunk kernels, gives bitwise the same gradients."""
+    the initial state) and Tinv, and the backward, rerunning the chunk kernels (the WY kernel reading that
+    Tinv), gives bitwise the same gradients."""
     r = results["recompute_chunks"]
     assert r["max_abs_difference"] == 0.0
-    assert r["saved_bytes"] == r["input_bytes"] + r["cotangent_bytes"]
+    assert r["saved_bytes"] == r["input_bytes"] + r["cotangent_bytes"] + r["tinv_bytes"]
 
 
 def test_unbounded_gate_picks_the_split_per_chunk(results):

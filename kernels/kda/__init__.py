@@ -79,7 +79,8 @@ def kda(
     the triton and fla kernels then run their diagonal sub-blocks as tensor-core matmuls.
     ``recompute_states=True`` makes the triton backward recompute the chunk states instead of keeping
     them from the forward (less activation memory, one more sequential pass); ``recompute_chunks=True``
-    keeps only the inputs, as fla does, and the backward reruns the chunk-local forward kernels too. The
+    keeps only the inputs and Tinv (as fla keeps its inverse), and the backward reruns the other
+    chunk-local forward kernels too. The
     torch and fla backends keep their own saving policy and ignore both.
     """
     if backend not in BACKENDS:

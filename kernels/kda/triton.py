@@ -39,11 +39,11 @@ GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
 
 def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool = False) -> list[str]:
     """Names of the tensors ``k3lab::kda_fwd`` returns for the backward, in order: the forward's
-    intermediates (``triton_fwd.kda_fwd``; none with ``recompute_chunks``, whose backward reruns
-    ``triton_fwd.chunk_intermediates``), then with ``fuse_prep`` the normalised q, k (qn, kn), beta =
-    sigmoid(logits) and the inverse norms rq, rk (``triton_fwd.prep_fwd``)."""
+    intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and the backward reruns
+    the rest of ``triton_fwd.chunk_intermediates``), then with ``fuse_prep`` the normalised q, k (qn, kn),
+    beta = sigmoid(logits) and the inverse norms rq, rk (``triton_fwd.prep_fwd``)."""
     names = ["G", "Safe", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
-    return ([] if recompute_chunks else names) + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
+    return (["Tinv"] if recompute_chunks else names) + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None,
@@ -55,7 +55,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Te
     (``saved_names``). gate: a value of GATES; with a gate ``g`` holds the raw input z. With ``fuse_prep``
     q and k are raw (L2-normalised in a kernel) and ``beta`` holds the logits. Matmul precision follows v:
     exact fp32 for fp32 values, tf32 tensor cores for bf16/fp16 (``dot_precision``). recompute_chunks: keep
-    only the inputs, as fla does (implies recompute_states)."""
+    only the inputs and Tinv, as fla keeps its inverse (implies recompute_states)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     prep = []
     if fuse_prep:
@@ -101,9 +101,9 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
         q, k, beta = kept.pop("qn"), kept.pop("kn"), kept.pop("beta")
         rq, rk = kept.pop("rq"), kept.pop("rk")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if recompute_chunks:  # the forward kept its inputs only: rerun its chunk-local kernels on them
+    if recompute_chunks:  # the forward kept its inputs and Tinv: rerun its chunk-local kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
-                                   dot_precision(v.dtype))
+                                   dot_precision(v.dtype), Tinv=kept["Tinv"])
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
         q, k, v, beta, scale, initial_state, kept, do, dht, safe_gate, dot_precision(v.dtype), gate=gate, z=g,
         A_log=A_log, dt_bias=dt_bias, g_min=g_min, dqk_dtype=torch.float32 if fuse_prep else None)
@@ -174,8 +174,8 @@ def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32.
     Returns o [B, T, H, V] (dtype of v) and the float32 final state (or None). recompute_states: the
     backward recomputes the chunk states instead of keeping them (less memory, one more sequential pass;
-    ``triton_fwd.kda_fwd``). recompute_chunks: the forward keeps only its inputs and the backward reruns
-    the chunk-local kernels too (``triton_fwd.chunk_intermediates``; implies recompute_states)."""
+    ``triton_fwd.kda_fwd``). recompute_chunks: the forward keeps only its inputs and Tinv, and the backward
+    reruns the other chunk-local kernels too (``triton_fwd.chunk_intermediates``; implies recompute_states)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float()

@@ -361,23 +361,9 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _wy(
-    k, v, beta, G, At, Tinv, U, W, Kd, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKS: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
-):
-    """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
-    T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V [B, T, H, V], and the state
-    pass's operands W = Tinv Diag(beta) (K e^G) and Kd = K e^{G_last - G}, [B, H, Tp, K] (zero in padded
-    rows), each in its tensor's dtype."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    A_ptr = At + (i_bh * NT * BTC + t0) * BTC
-    r16 = tl.arange(0, BCC)
-    b_ptr = beta + i_b * T * H + i_h + t0 * H
-    bt0 = tl.load(b_ptr + (0 * BCC + r16) * H, mask=0 * BCC + r16 < T_local, other=0.0).to(tl.float32)
-    bt1 = tl.load(b_ptr + (1 * BCC + r16) * H, mask=1 * BCC + r16 < T_local, other=0.0).to(tl.float32)
-    bt2 = tl.load(b_ptr + (2 * BCC + r16) * H, mask=2 * BCC + r16 < T_local, other=0.0).to(tl.float32)
-    bt3 = tl.load(b_ptr + (3 * BCC + r16) * H, mask=3 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+def _wy_inverse(A_ptr, Ti_ptr, bt0, bt1, bt2, bt3, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr):
+    """The 16x16 blocks n >= m of one chunk's Tinv = (I + Diag(beta) At)^{-1} (block forward substitution),
+    stored at Ti_ptr and returned; At's blocks at A_ptr, bt0..bt3 the chunk's beta by 16-row block."""
     # A = Diag(beta) At, block rows
     A10 = _blk(A_ptr, 1, 0, BTC, BCC) * bt1[:, None]
     A20 = _blk(A_ptr, 2, 0, BTC, BCC) * bt2[:, None]
@@ -395,7 +381,6 @@ def _wy(
     T32 = -_dot(T33, _dot(A32, T22, PREC), PREC)
     T31 = -_dot(T33, _dot(A31, T11, PREC) + _dot(A32, T21, PREC), PREC)
     T30 = -_dot(T33, _dot(A30, T00, PREC) + _dot(A31, T10, PREC) + _dot(A32, T20, PREC), PREC)
-    Ti_ptr = Tinv + (i_bh * NT * BTC + t0) * BTC          # zero-initialised: only blocks n >= m are written
     _store_blk(Ti_ptr, 0, 0, T00, BTC, BCC)
     _store_blk(Ti_ptr, 1, 0, T10, BTC, BCC)
     _store_blk(Ti_ptr, 1, 1, T11, BTC, BCC)
@@ -406,6 +391,37 @@ def _wy(
     _store_blk(Ti_ptr, 3, 1, T31, BTC, BCC)
     _store_blk(Ti_ptr, 3, 2, T32, BTC, BCC)
     _store_blk(Ti_ptr, 3, 3, T33, BTC, BCC)
+    return T00, T10, T11, T20, T21, T22, T30, T31, T32, T33
+
+
+@triton.jit
+def _wy(
+    k, v, beta, G, At, Tinv, U, W, Kd, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKS: tl.constexpr, BV: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
+    LOAD_T: tl.constexpr,
+):
+    """Tinv = (I + Diag(beta) At)^{-1} by 16x16 blocks (block forward substitution
+    T_nm = -T_nn sum_{m <= j < n} A_nj T_jm), then U = Tinv Diag(beta) V [B, T, H, V], and the state
+    pass's operands W = Tinv Diag(beta) (K e^G) and Kd = K e^{G_last - G}, [B, H, Tp, K] (zero in padded
+    rows), each in its tensor's dtype. LOAD_T: read Tinv as an earlier call stored it instead (At unused)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
+    A_ptr = At + (i_bh * NT * BTC + t0) * BTC
+    r16 = tl.arange(0, BCC)
+    b_ptr = beta + i_b * T * H + i_h + t0 * H
+    bt0 = tl.load(b_ptr + (0 * BCC + r16) * H, mask=0 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt1 = tl.load(b_ptr + (1 * BCC + r16) * H, mask=1 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt2 = tl.load(b_ptr + (2 * BCC + r16) * H, mask=2 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    bt3 = tl.load(b_ptr + (3 * BCC + r16) * H, mask=3 * BCC + r16 < T_local, other=0.0).to(tl.float32)
+    Ti_ptr = Tinv + (i_bh * NT * BTC + t0) * BTC          # zero-initialised: only blocks n >= m are written
+    if LOAD_T:
+        T00, T10, T11 = _blk(Ti_ptr, 0, 0, BTC, BCC), _blk(Ti_ptr, 1, 0, BTC, BCC), _blk(Ti_ptr, 1, 1, BTC, BCC)
+        T20, T21, T22 = _blk(Ti_ptr, 2, 0, BTC, BCC), _blk(Ti_ptr, 2, 1, BTC, BCC), _blk(Ti_ptr, 2, 2, BTC, BCC)
+        T30, T31 = _blk(Ti_ptr, 3, 0, BTC, BCC), _blk(Ti_ptr, 3, 1, BTC, BCC)
+        T32, T33 = _blk(Ti_ptr, 3, 2, BTC, BCC), _blk(Ti_ptr, 3, 3, BTC, BCC)
+    else:
+        T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = _wy_inverse(A_ptr, Ti_ptr, bt0, bt1, bt2, bt3, BTC, BCC,
+                                                                       PREC)
     # U, W by row blocks: X_n = sum_{m <= n} T_nm (beta X)_m
     stride_k = H * K
     stride_v = H * V
@@ -575,11 +591,12 @@ def check_head_dim(K: int) -> None:
 
 
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
-                        prec=None):
+                        prec=None, Tinv=None):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
     G, Safe, At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
-    this on the kept inputs when the forward kept nothing else (``recompute_chunks``): the same kernels on
-    the same inputs, so bitwise the same tensors."""
+    this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``): the same
+    kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy`` then
+    reads instead of inverting again (the sequential part of the WY kernel)."""
     import torch
 
     B, T, H, K = q.shape
@@ -612,13 +629,15 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
         BKS_D = min(diag_opts.pop("BKS"), BK)
         _intra_diag[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BKS_D, BT, BC, prec,
                                               **diag_opts)
-    Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
+    load_t = Tinv is not None
+    if not load_t:
+        Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
     U = torch.empty(B, T, H, V, device=dev, dtype=sd)
     W = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     Kd = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
-                     **wy_opts)
+                     load_t, **wy_opts)
     return dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
 
 
