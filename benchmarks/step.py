@@ -222,7 +222,7 @@ def profiler(device: torch.device) -> torch.profiler.profile:
     return torch.profiler.profile(activities=activities)
 
 
-def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 30) -> str:
+def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 50) -> str:
     """The ops with the most time on the device (the CPU when there is no GPU), self time, as torch's
     key_averages table."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
