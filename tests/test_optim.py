@@ -20,6 +20,10 @@ from k3lab.optim import muon as muon_module
 from k3lab.switches import SWITCHES
 
 RMS = 0.2  # Moonlight's target update RMS: the Muon update is 0.2*sqrt(max(rows, cols)) * NS(u)
+# Between the batched Newton-Schulz of a bucket and newton_schulz on one of its matrices, the bf16 iterations
+# may round apart (the bucket's Frobenius norms come from its first Gram matrix): up to about 0.005 on these
+# updates of entries up to about 0.6, against a difference of about a third of the norm for a wrong grouping.
+BF16_ROUNDING = 1e-2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -192,10 +196,10 @@ def test_decoupled_weight_decay():
 def test_per_head_equals_blockwise_ns_and_differs_from_whole():
     H, dh, D = 4, 16, 32  # block [16, 32] -> scale sqrt(32); whole [64, 32] -> scale sqrt(64)
     w = torch.zeros(H * dh, D)
-    g = torch.randn(H * dh, D)
+    g = torch.randn(H * dh, D, generator=torch.Generator().manual_seed(5))
     per_head = one_step_delta(w, g, head_blocks=H, lr=1.0, weight_decay=0.0, momentum=0.0, per_head=True)
     blocks = [-RMS * math.sqrt(max(dh, D)) * newton_schulz(b).float() for b in g.split(dh, dim=0)]
-    torch.testing.assert_close(per_head, torch.cat(blocks), rtol=0, atol=2e-3)
+    torch.testing.assert_close(per_head, torch.cat(blocks), rtol=0, atol=BF16_ROUNDING)
     whole = -RMS * math.sqrt(H * dh) * newton_schulz(g).float()
     assert (per_head - whole).norm() > 0.3 * whole.norm()
 
@@ -209,11 +213,13 @@ def test_muon_ignores_head_blocks():
 
 def test_expert_stack_is_orthogonalised_per_slice():
     E, out, inp = 3, 16, 40
-    g = torch.randn(E, out, inp)
+    g = torch.randn(E, out, inp, generator=torch.Generator().manual_seed(4))
     delta = one_step_delta(torch.zeros(E, out, inp), g, lr=1.0, weight_decay=0.0, momentum=0.0)
     for e in range(E):
         expected = -RMS * math.sqrt(max(out, inp)) * newton_schulz(g[e]).float()
-        torch.testing.assert_close(delta[e], expected, rtol=0, atol=2e-3)
+        torch.testing.assert_close(delta[e], expected, rtol=0, atol=BF16_ROUNDING)
+    whole = -RMS * math.sqrt(E * out) * newton_schulz(g.reshape(E * out, inp)).float().reshape(E, out, inp)
+    assert (delta - whole).norm() > 0.3 * whole.norm()
 
 
 def test_bad_inputs_fail_loudly():
