@@ -44,12 +44,13 @@ jit = triton.jit if triton is not None else (lambda fn: fn)
 # Per kernel: time rows x channels of a tile, warps per program. ``_conv_bwd_g`` keeps W accumulator tiles,
 # hence its smaller tiles. On the H200 at B, T, C = 8, 4096, 1024 and 1, 16384, 2048 in bf16, tiles of
 # 32 x 128 with 4 warps ran the forward at about 2.4 TB/s, within 3% of the best of 18 shapes tried. For
-# ``_conv_bwd_g``, 16 x 64 with 2 warps and 16 programs per SM was the best of 108 configurations at
-# 8, 4096, 1024 (the backward 0.252 ms against 0.321 ms for 16 x 128, 4 warps, 8 per SM).
-LAUNCH = {"fwd": dict(BT=32, BC=128, num_warps=4), "bwd_g": dict(BT=16, BC=64, num_warps=2),
+# ``_conv_bwd_g`` with g stored in bf16, 8 x 64 with 2 warps and 8 programs per SM was the best of 108
+# configurations at 8, 4096, 1024 (the backward 0.224 ms against 0.274 ms for 16 x 64, 2 warps, 16 per SM,
+# the best while g was fp32; benchmarks/RESULTS.md).
+LAUNCH = {"fwd": dict(BT=32, BC=128, num_warps=4), "bwd_g": dict(BT=8, BC=64, num_warps=2),
           "bwd_dx": dict(BT=32, BC=128, num_warps=4)}
 # programs per SM of ``_conv_bwd_g``: each walks a strided set of time tiles, so that the partial dw sums stay few
-BWD_PROGRAMS_PER_SM = 16
+BWD_PROGRAMS_PER_SM = 8
 MAX_W = 4  # kernel sizes 1..MAX_W (``_conv_bwd_g`` has one accumulator per tap)
 
 __all__ = ["BACKENDS", "conv_bwd", "conv_fwd", "short_conv", "short_conv_reference", "triton_available"]
