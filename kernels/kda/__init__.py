@@ -80,8 +80,8 @@ def kda(
     ``recompute_states=True`` makes the triton backward recompute the chunk states instead of keeping
     them from the forward (less activation memory, one more sequential pass); ``recompute_chunks=True``
     keeps only the inputs and Tinv (as fla keeps its inverse), and the backward reruns the other
-    chunk-local forward kernels too. The
-    torch and fla backends keep their own saving policy and ignore both.
+    chunk-local forward kernels too. The torch and fla backends keep their own saving policy and ignore
+    both.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
