@@ -9,8 +9,8 @@ Entry points:
   fused-gate entry. It computes, on the way in, the decay map (sigmoid: g = g_min sigmoid(exp(A_h) (z + dt_bias));
   softplus: g = -exp(A_h) softplus(z + dt_bias)) inside the first kernel and its backward inside the
   last one, and the L2 norm of q and k (``use_qk_l2norm=True``) with beta = sigmoid(beta_logits) in one
-  small prep kernel (float32 out; its backward in one kernel too). ``kda_gated_reference`` is the same
-  computation in plain PyTorch (any backend), used by the tests.
+  small prep kernel (its backward inside two of the backward's kernels, ``triton_bwd``).
+  ``kda_gated_reference`` is the same computation in plain PyTorch (any backend), used by the tests.
 
 Supported: any B, H and T >= 1 (ragged last chunk); K <= 128 (tested 16, 32, 64, 128; other values
 are masked to the next power of two); any V (tested 16 to 128, tiled by 64). fp32 inputs run exact
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_bwd import kda_bwd, prep_bwd
+from .triton_bwd import kda_bwd
 from .triton_fwd import BT, check_head_dim, chunk_intermediates, dot_precision, kda_fwd, prep_fwd, storage_dtype
 
 GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
@@ -106,10 +106,8 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
                                    dot_precision(v.dtype), Tinv=kept["Tinv"])
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
         q, k, v, beta, scale, initial_state, kept, do, dht, safe_gate, dot_precision(v.dtype), gate=gate, z=g,
-        A_log=A_log, dt_bias=dt_bias, g_min=g_min, dqk_dtype=torch.float32 if fuse_prep else None)
-    if fuse_prep:
-        dq, dk, dbeta = prep_bwd(q, k, beta, rq, rk, dq, dk, dbeta, q_dtype, k_dtype, beta_dtype)
-    grads = [dq, dk, dv, dg.to(g.dtype), dbeta]
+        A_log=A_log, dt_bias=dt_bias, g_min=g_min, prep_norms=(rq, rk) if fuse_prep else None)
+    grads = [dq.to(q_dtype), dk.to(k_dtype), dv, dg.to(g.dtype), dbeta.to(beta_dtype)]
     if A_log is not None:
         grads.append(dA_log.to(A_log.dtype))
     if dt_bias is not None:

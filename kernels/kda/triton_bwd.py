@@ -16,7 +16,10 @@ and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - 
 P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
 dG += a * da - b * db (``_bwd_local_k``, same overflow-safe splits as the forward). Finally
 dg = reverse cumulative sum of dG within the chunk, through a fused gate map when there is one
-(``_dg_bwd``).
+(``_dg_bwd``). Behind the fused prep of ``kda_gated`` (q, k L2-normalised, beta = sigmoid(logits)) the
+last kernels also take the gradients through it: ``_bwd_local_k`` those of the raw q and k,
+dx = (dxn - xn <xn, dxn>) / |x| on the rows it finishes, and ``_bwd_dA`` that of the logits,
+dbeta * beta (1 - beta).
 """
 from __future__ import annotations
 
@@ -209,10 +212,11 @@ def _bwd_local_kv(
 @triton.jit
 def _bwd_dA(
     beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H: tl.constexpr, NPARTS: tl.constexpr, BTC: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, LOGITS: tl.constexpr,
 ):
     """Per chunk: dTinv and dbeta summed over their NPARTS parts (V, then each key slice), then
-    dA = -Tinv^T dTinv Tinv^T (strictly lower; stored times beta in dAs) and dbeta += rowsum(dA * At)."""
+    dA = -Tinv^T dTinv Tinv^T (strictly lower; stored times beta in dAs) and dbeta += rowsum(dA * At).
+    LOGITS: beta = sigmoid(logits), and dbeta is stored as the logits' gradient, dbeta * beta (1 - beta)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     r = tl.arange(0, BTC)
@@ -229,6 +233,8 @@ def _bwd_dA(
     db += tl.sum(dA * tl.load(At + cm_off), axis=1)
     bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
     tl.store(dAs + cm_off, dA * bt[:, None])
+    if LOGITS:
+        db = db * bt * (1.0 - bt)
     tl.store(dbeta + i_b * T * H + i_h + (t0 + r) * H, db, mask=r < T_local)
 
 
@@ -339,13 +345,15 @@ def _bwd_diag(
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk,
+    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    RB: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
+    RB: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Gradients through the decayed products A (a = b = k) and P (a = q, b = k) for RB rows of a chunk
     (program axis 0 runs over chunks x row blocks), for the chunks of CHUNKS (``triton_fwd.chunk_sets``):
-    dq and dk are final; dG is completed in place in dG_p [B, H, Tp, K] for ``_dg_bwd``."""
+    dq and dk are final; dG is completed in place in dG_p [B, H, Tp, K] for ``_dg_bwd``. NORM: q and k
+    are L2-normalised rows with inverse norms rq, rk [B, T, H], and dq, dk are stored as the gradients
+    of the raw rows, (dxn - xn <xn, dxn>) / |x|."""
     NRB: tl.constexpr = BTC // RB
     i_n, i_r, i_bh = tl.program_id(0) // NRB, tl.program_id(0) % NRB, tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
@@ -383,6 +391,12 @@ def _bwd_local_k(
             dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
             dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
             tl.store(dG_p + poff, dG_n, mask=pmask)
+            if NORM:
+                inv = (i_b * T + t0 + rows) * H + i_h
+                rq_n = tl.load(rq + inv, mask=rows < T_local, other=0.0)
+                rk_n = tl.load(rk + inv, mask=rows < T_local, other=0.0)
+                dq_n = (dq_n - q_n * tl.sum(q_n * dq_n, axis=1)[:, None]) * rq_n[:, None]
+                dk_n = (dk_n - k_n * tl.sum(k_n * dk_n, axis=1)[:, None]) * rk_n[:, None]
             out_off = base_k + rows[:, None] * stride_k + ck[None, :]
             omask = (rows[:, None] < T_local) & (ck[None, :] < K)
             tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
@@ -429,12 +443,14 @@ def _dg_bwd(
 
 
 def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec=None,
-            gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0, dqk_dtype=None):
+            gate=0, z=None, A_log=None, dt_bias=None, g_min=-5.0, prep_norms=None):
     """Launch the backward kernels. Returns dq, dk, dv, dg, dbeta, the initial-state gradient (None
     without an initial state), dA_log and ddt_bias. Without a fused gate (gate = 0) dg is the gradient
     of the log-decay g and the last two are None; with gate 1 (sigmoid) or 2 (softplus) it is the
-    gradient of the raw input z, and dA_log [H] and ddt_bias [H * K] come along.
-    dqk_dtype: dtype of dq and dk (default q's); float32 when they feed the L2-norm backward."""
+    gradient of the raw input z, and dA_log [H] and ddt_bias [H * K] come along. prep_norms: the inverse
+    norms (rq, rk) [B, T, H] of the fused prep (``triton_fwd.prep_fwd``), whose outputs q, k and beta
+    then are: dq, dk and dbeta come back as the gradients of its inputs (raw q, k and the beta logits),
+    dq and dk in q's and k's dtype, dbeta in fp32."""
     import torch
 
     B, T, H, K = q.shape
@@ -480,9 +496,11 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
                               T, H, V, BVL, BT, prec, **opts)
     _bwd_local_kv[(NT, B * H, NK)](q, k, beta, G, Tinv, Hs, dHs, Dl, dDl, do, dq_p, dk_p, dG_p, dgl, dT_parts,
                                    db_parts, float(scale), T, H, K, V, BKS, BVK, BT, prec, **kv_opts)
-    _bwd_dA[(NT, B * H)](beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H, 1 + NK, BT, prec, num_warps=4)
-    dq = torch.empty(q.shape, device=dev, dtype=dqk_dtype or q.dtype)
-    dk = torch.empty(k.shape, device=dev, dtype=dqk_dtype or k.dtype)
+    norm = prep_norms is not None
+    _bwd_dA[(NT, B * H)](beta, At, Tinv, dT_parts, db_parts, dAs, dbeta, T, H, 1 + NK, BT, prec, norm, num_warps=4)
+    dq = torch.empty(q.shape, device=dev, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=dev, dtype=k.dtype)
+    rq, rk = prep_norms if norm else (dummy, dummy)
     if not safe_gate:
         _, diag_opts = launch("bwd_diag")
         BKS_D = min(diag_opts.pop("BKS"), BK)
@@ -491,8 +509,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")
     for chunks in chunk_sets(safe_gate):
-        _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk,
-                                               T, H, K, BK, BT, BC, RB, chunks, prec, **k_opts)
+        _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
+                                               T, H, K, BK, BT, BC, RB, chunks, prec, norm, **k_opts)
     # dg: the gradient of the log-decay g, or of the raw gate input z when the gate map is fused
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32) if not gate else torch.empty_like(z)
     _, g_opts = launch("dg_bwd")
@@ -507,43 +525,3 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     dA_log = dA_part.sum((0, 2, 3)) if gate else None
     ddt = ddt_part.sum((0, 2)).reshape(H * K) if gate else None
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, dA_log, ddt
-
-
-@triton.jit
-def _l2norm_rows_bwd(xn_ptr, dxn_ptr, inv_ptr, dx_ptr, r, off, m, N):
-    """dx = (dxn - xn <xn, dxn>) / |x| over the rows r, in dx's dtype (backward of ``_l2norm_rows``)."""
-    x = tl.load(xn_ptr + off, mask=m, other=0.0).to(tl.float32)
-    dx = tl.load(dxn_ptr + off, mask=m, other=0.0).to(tl.float32)
-    inv = tl.load(inv_ptr + r, mask=r < N, other=0.0)
-    tl.store(dx_ptr + off, ((dx - x * tl.sum(x * dx, axis=1)[:, None]) * inv[:, None]).to(dx_ptr.dtype.element_ty),
-             mask=m)
-
-
-@triton.jit
-def _prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, dq, dk, dbl, N, K: tl.constexpr, BK: tl.constexpr,
-              BR: tl.constexpr):
-    """Backward of ``_prep``: dq = (dqn - qn <qn, dqn>) / |q| (likewise k), dbl = dbeta beta (1 - beta)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.arange(0, BK)
-    m = (r[:, None] < N) & (c[None, :] < K)
-    off = r[:, None] * K + c[None, :]
-    _l2norm_rows_bwd(qn, dqn, rq, dq, r, off, m, N)
-    _l2norm_rows_bwd(kn, dkn, rk, dk, r, off, m, N)
-    b = tl.load(beta + r, mask=r < N, other=0.0)
-    db = tl.load(dbeta + r, mask=r < N, other=0.0).to(tl.float32)
-    tl.store(dbl + r, (db * b * (1.0 - b)).to(dbl.dtype.element_ty), mask=r < N)
-
-
-def prep_bwd(qn, kn, beta, rq, rk, dqn, dkn, dbeta, q_dtype, k_dtype, bl_dtype):
-    """Gradients of the raw q, k and beta logits from those of the normalised q, k and of beta."""
-    import torch
-
-    K = qn.shape[-1]
-    N = qn.numel() // K
-    dq = torch.empty(qn.shape, device=qn.device, dtype=q_dtype)
-    dk = torch.empty(kn.shape, device=kn.device, dtype=k_dtype)
-    dbl = torch.empty(beta.shape, device=qn.device, dtype=bl_dtype)
-    BR = 16
-    _prep_bwd[(triton.cdiv(N, BR),)](qn, kn, beta, rq, rk, dqn.contiguous(), dkn.contiguous(), dbeta.contiguous(),
-                                    dq, dk, dbl, N, K, _pow2(K), BR, num_warps=4)
-    return dq, dk, dbl
