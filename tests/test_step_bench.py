@@ -124,7 +124,8 @@ def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_wi
     for (variant, path), cells in rows.items():
         if path == "bare":
             fla = 50.0 if "softplus" in variant else 100.0
-            assert float(cells[5]) == pytest.approx(float(cells[0].replace(",", "")) / fla, rel=0.01, abs=0.006)
+            # tokens/s is printed to the unit (+-0.5) and the ratio to two decimals (+-0.005)
+            assert float(cells[5]) == pytest.approx(float(cells[0].replace(",", "")) / fla, abs=0.5 / fla + 0.0051)
             assert float(cells[6]) > 0 and 0 <= float(cells[4]) <= float(cells[3])  # states within the peak
 
 
