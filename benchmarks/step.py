@@ -351,12 +351,13 @@ def peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
 
 
-def progress(row: Row) -> str:
-    """One line per finished row, so that a run stopped early still tells what it measured."""
+def progress(row: Row, seconds: float) -> str:
+    """One line per finished row, so that a run stopped early still tells what it measured, with the
+    row's wall time (compilation and autotuning included: what a device call has to leave room for)."""
     vs = (f" ({row.tokens_per_s / row.fla.tokens_per_s:.2f}x fla, {row.peak_mb / row.fla.peak_mb:.2f}x memory)"
           if row.fla else "")
     return (f"{row.variant or '(overrides only)'} / {row.path}: {row.tokens_per_s:,.0f} tokens/s, "
-            f"{row.peak_mb / 1024:.2f} GiB{vs}")
+            f"{row.peak_mb / 1024:.2f} GiB{vs}; the row took {seconds:.0f} s")
 
 
 def table(rows: list[Row], header: list[str]) -> str:
@@ -403,14 +404,16 @@ def main(argv=None) -> str:
     for variant, cfg in zip(variants, configs):
         key = repr((sorted(fla_config(cfg, 0).items()), cfg.data, cfg.optim)) if args.fla else None
         if args.fla and key not in fla_by_model:
+            start = time.perf_counter()
             fla_by_model[key] = fla_row(cfg, args.warmup, args.steps, variant)
-            print(f"  {progress(fla_by_model[key])}", flush=True)
+            print(f"  {progress(fla_by_model[key], time.perf_counter() - start)}", flush=True)
         fla_of_variant.append(fla_by_model.get(key))
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="k3lab-step-") as tmp:
         for i, (variant, cfg) in enumerate(zip(variants, configs)):
             overrides = [*args.overrides, *shlex.split(variant)]
             for path in paths:
+                start = time.perf_counter()
                 torch._dynamo.reset()
                 if path == "bare":
                     row = bare_row(variant, cfg, args.warmup, args.steps, args.profile)
@@ -418,7 +421,7 @@ def main(argv=None) -> str:
                     row = trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i, args.profile)
                 row.fla = fla_of_variant[i]
                 rows.append(row)
-                print(f"  {progress(row)}", flush=True)
+                print(f"  {progress(row, time.perf_counter() - start)}", flush=True)
     rows += fla_by_model.values()
     device = torch.cuda.get_device_name() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
