@@ -168,12 +168,38 @@ def training_batches(cfg: DictConfig, n: int, device: torch.device) -> tuple[K3D
     return dm, [tuple(t.to(device) for t in dm.train_batch(s)) for s in range(n)]
 
 
-def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: int = 0) -> Row:
+def saved_tensors_table(forward, rows: int = 12) -> str:
+    """What one call of forward() keeps for its backward, grouped by shape and dtype (each storage counted
+    once, the largest groups first), from torch's saved-tensor hooks; the graph is dropped unused."""
+    storages: dict[int, tuple[tuple, torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        storages.setdefault(st.data_ptr(), (tuple(t.shape), t.dtype, st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    groups: dict[tuple, list[int]] = {}
+    for shape, dtype, nbytes in storages.values():
+        g = groups.setdefault((shape, str(dtype).removeprefix("torch.")), [0, 0])
+        g[0] += 1
+        g[1] += nbytes
+    total = sum(b for _, b in groups.values())
+    lines = [f"Saved for backward: {total / 2**30:.2f} GiB in {len(storages)} storages", "",
+             "| shape | dtype | tensors | GiB |", "|---|---|---|---|"]
+    for (shape, dtype), (n, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"| {list(shape)} | {dtype} | {n} | {nbytes / 2**30:.3f} |")
+    return "\n".join(lines)
+
+
+def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: int = 0, saved: bool = False) -> Row:
     device = device_of(cfg)
     reset_peak(device)
     torch.manual_seed(cfg.seed)
     torch._dynamo.utils.counters.clear()
-    dm, batches = training_batches(cfg, warmup + steps + profile, device)
+    dm, batches = training_batches(cfg, warmup + steps + profile + saved, device)
     dtype, autocast = precision_of(cfg, device)
     model = K3Model(model_config(cfg, dm.vocab_size)).to(device=device, dtype=dtype)
     fpt = flops_per_token(model, cfg.data.seq_len)
@@ -202,6 +228,11 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     if profile:
         print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
               flush=True)
+    if saved:
+        x, y = next(it)
+        with autocast:
+            table_text = saved_tensors_table(lambda: model(x, y).mean)
+        print(f"{variant or '(overrides only)'} / bare: {table_text}", flush=True)
     return row
 
 
@@ -384,6 +415,8 @@ def main(argv=None) -> str:
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each row's timed steps, profile N more and print the ops with the most device time")
+    p.add_argument("--saved", action="store_true",
+                   help="after each bare row, list what one forward keeps for the backward, by shape and dtype")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
@@ -416,7 +449,7 @@ def main(argv=None) -> str:
                 start = time.perf_counter()
                 torch._dynamo.reset()
                 if path == "bare":
-                    row = bare_row(variant, cfg, args.warmup, args.steps, args.profile)
+                    row = bare_row(variant, cfg, args.warmup, args.steps, args.profile, args.saved)
                 else:
                     row = trainer_row(variant, overrides, args.warmup, args.steps, Path(tmp), i, args.profile)
                 row.fla = fla_of_variant[i]
