@@ -2,17 +2,16 @@
 
     python -m benchmarks.kda_decay trainer=gpu model=small decay=softplus --steps 30 --every 10
 
-The Triton forward (``kernels/kda/triton_fwd.py``) runs a chunk's diagonal 16x16 sub-blocks as one
-tensor-core product split at the middle row only when every sub-block decays by at most SAFE_RANGE
-(75) in every channel; other chunks take the exact halving split (``_intra_diag``, ``_bwd_diag``),
-which costs more. The sigmoid map (g >= -5) is always inside the bound; the softplus map is not. This
-trains the bare loop of ``benchmarks.step`` (same model, optimizer, data and precision, eager) and,
-every --every steps, runs one forward of that step's batch with a hook on each KDA layer's gate. For
-the decay D of a sub-block and channel, D = -(g_1 + ... + g_15) over its rows (what the kernels bound),
-it prints the share of chunks with some D > 75 (the chunks the exact path takes), the share of
-sub-blocks and of (sub-block, channel) pairs with D > 75, the share of sub-blocks whose decay exceeds
-160 (the bound of a split at the sub-block's mid value, exp(+-80) in fp32) and D's quantiles over
-sub-blocks (their largest channel).
+The Triton kernels (``kernels/kda/triton_fwd.py``) run a 16-token sub-block's diagonal block inside
+one tensor-core product split at its middle row only for a gate bounded below (the sigmoid map,
+g >= -5: a sub-block decays by at most 75 nats, every factor within e^+-40); an unbounded gate
+(softplus) takes two masked products per diagonal block instead, with a per-token clamp. This trains
+the bare loop of ``benchmarks.step`` (same model, optimizer, data and precision, eager) and, every
+--every steps, runs one forward of that step's batch with a hook on each KDA layer's gate. For the
+decay D of a sub-block and channel, D = -(g_1 + ... + g_15) over its rows, it prints the share of
+chunks with some D > 75 (where the sigmoid's single split would not hold), the share of sub-blocks and
+of (sub-block, channel) pairs with D > 75, the share of sub-blocks with some D > 160 (nor a split at the
+sub-block's mid value, exp(+-80) in fp32) and D's quantiles over sub-blocks (their largest channel).
 """
 from __future__ import annotations
 

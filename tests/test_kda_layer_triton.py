@@ -24,7 +24,7 @@ def layer_results(decay: str, backend: str, **kernels) -> dict:
     """Output, input gradient and every parameter gradient of one KDA layer (fp32, fixed weights and
     input, a fixed random cotangent). The decay parameters are set off their init so that every gradient
     is exercised: sigmoid A_h ~ N(0, 0.5^2), dt_bias ~ U(-3, 1); softplus A_h = log of 1..16 over the
-    heads, dt_bias ~ U(-5, -1) (fast decays, chunks past the tensor-core range)."""
+    heads, dt_bias ~ U(-5, -1) (fast decays, sub-blocks past the sigmoid map's bound)."""
     import torch
 
     from k3lab.config import DecayConfig, KernelsConfig, ModelConfig

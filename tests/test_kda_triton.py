@@ -35,7 +35,7 @@ GATED = {"gated_sigmoid": ("sigmoid", None, 1, 20, 2, 32, 16), "gated_softplus":
          "gated_sigmoid_T70_K48": ("sigmoid", None, 2, 70, 1, 48, 24),
          "gated_softplus_T70_K48": ("softplus", None, 2, 70, 1, 48, 24)}
 HALF = ("gated_sigmoid", "gated_softplus")  # also run with fp16 inputs
-KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd", "intra_diag", "bwd_diag")
+KEY_SLICED = ("intra", "wy", "bwd_local_kv", "gate_cumsum", "dg_bwd", "bwd_diag")
 
 
 def _run_checks() -> dict:
@@ -54,36 +54,33 @@ def _run_checks() -> dict:
         got = outputs_and_grads(partial(kda_triton, safe_gate=safe), [x.float() for x in inputs])
         out[name] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
 
-    # an unbounded gate is dispatched per chunk: chunks 0 and 2 decay within the sigmoid bound (tensor-core
-    # split), chunk 1 is saturated (exact diagonal kernels); all three in one call
+    # an unbounded gate with mild chunks (0 and 2) around a saturated one (1), in one call
     from kernels.kda import triton_fwd
-    from kernels.kda.triton_fwd import kda_fwd
+    from kernels.kda.triton_fwd import chunk_intermediates, kda_fwd
 
     mild, sat = (make_inputs(1, 150, 1, 16, 16, gate, seed=4) for gate in ("moderate", "softplus_sat"))
     mixed = [torch.cat([m[:, :64], s[:, 64:128], m[:, 128:]], 1) for m, s in zip(mild[:5], sat[:5])] + [mild[5]]
     ref = outputs_and_grads(kda_recurrent, mixed)
     got = outputs_and_grads(kda_triton, [x.float() for x in mixed])
     out["softplus_mixed_chunks_T150"] = {n: rel(a.double(), b) for n, a, b in zip(NAMES, got, ref)}
-    saved = kda_fwd(*[x.float() for x in mixed[:5]], 16 ** -0.5, None, False, False)[2]
-    out["chunk_flags"] = saved["Safe"].tolist()
-    # a chunk saturated in the first half of its key columns only, flagged by key slices of 8: the
-    # unsafe slice must clear the flag the safe one leaves set
-    half = [m.clone() for m in mild[:5]]
-    half[3][:, 64:128, :, :8] = sat[3][:, 64:128, :, :8]
-    saved_launch = dict(triton_fwd.LAUNCH["gate_cumsum"])
-    triton_fwd.LAUNCH["gate_cumsum"].update(BKS=8)
-    saved = kda_fwd(*[x.float() for x in half], 16 ** -0.5, None, False, False)[2]
-    triton_fwd.LAUNCH["gate_cumsum"] = saved_launch
-    out["chunk_flags_half_saturated"] = saved["Safe"].tolist()
-    # the benchmark's softplus cases: typical gates stay in the tensor-core range, the fast-forgetting
-    # channel puts every chunk past it
-    from benchmarks.kda_bench import make_inputs as bench_inputs
 
-    for case in ("softplus", "softplus-fast"):
-        q, k, v, z, bl, A_log, dt_bias = [x.detach() for x in bench_inputs(1, 256, 2, 16, 16, case, "cpu", torch.float32)]
-        saved = kda_fwd(q, k, v, z, torch.sigmoid(bl), 16 ** -0.5, None, False, False, gate=2, A_log=A_log,
-                        dt_bias=dt_bias)[2]
-        out[f"bench_chunk_flags_{case}"] = saved["Safe"].tolist()
+    # At and P of saturated softplus gates (steps of -320 and ~0 in every sub-block) against the pairwise
+    # products in float64 on the kernels' own G: the diagonal blocks' clamp moves a factor by < e^-16
+    q, k, v, g, beta, _ = make_inputs(1, 128, 2, 32, 16, "softplus_sat", seed=14)
+    scale = 32 ** -0.5
+    kept = chunk_intermediates(*[x.float() for x in (q, k, v, g, beta)], scale, False)
+    G = kept["G"].double()                                                   # [B, H, Tp, K]
+    qh, kh = (x.transpose(1, 2).double() for x in (q, k))                    # [B, H, T, K]
+    worst = {"At": 0.0, "P": 0.0}
+    for c in range(2):
+        rows = slice(64 * c, 64 * c + 64)
+        E = torch.exp(G[:, :, rows, None, :] - G[:, :, None, rows, :])        # [B, H, i, j, K]
+        lower = torch.ones(64, 64, dtype=torch.bool).tril()
+        for name, a, mask in (("At", kh, lower.tril(-1)), ("P", qh, lower)):
+            exact = (a[:, :, rows, None, :] * kh[:, :, None, rows, :] * E.masked_fill(~mask[..., None], 0)).sum(-1)
+            exact = exact * (scale if name == "P" else 1.0)
+            worst[name] = max(worst[name], (kept[name][:, :, rows].double() - exact).abs().max().item())
+    out["diag_clamp"] = {**worst, "clamped_steps": int((g < -triton_fwd.DIAG_CLAMP.value).sum())}
 
     # what the forward keeps between kernels, by input dtype (triton_fwd.storage_dtype)
     from kernels.kda.triton_fwd import prep_fwd
@@ -93,7 +90,7 @@ def _run_checks() -> dict:
         saved = kda_fwd(*xs, 16 ** -0.5, None, False, False, recompute_states=True)[2]
         saved.update(kda_fwd(*xs, 16 ** -0.5, None, False, False)[2])
         saved["q_normalised"] = prep_fwd(xs[0], xs[1], xs[4])[0]
-        out[f"kept_dtypes_{str(dtype)[6:]}"] = {n: str(t.dtype)[6:] for n, t in saved.items() if n != "Safe"}
+        out[f"kept_dtypes_{str(dtype)[6:]}"] = {n: str(t.dtype)[6:] for n, t in saved.items()}
 
     # fused gate entry against its torch twin (float64), raw q/k, z, beta logits, A_log, dt_bias
     gen = torch.Generator().manual_seed(3)
@@ -136,15 +133,14 @@ def _run_checks() -> dict:
 
     # the launch table (V-block widths, key slices, warps, stages) changes speed only: narrow V-blocks and
     # key slices, so that V = 32 and K = 32 span two of them, give the same outputs and gradients as the
-    # default table
-    # default table, and saturated softplus gates for the diagonal kernels of out-of-range chunks
+    # default table, with moderate gates and with saturated softplus gates (the diagonal kernel's slices)
     for name, gate in (("launch_table", "moderate"), ("launch_table_saturated", "softplus_sat")):
         inputs = [x.float() for x in make_inputs(1, 70, 2, 32, 32, gate, seed=12)]
         default = outputs_and_grads(kda_triton, inputs)
         saved_launch = {kernel: dict(opts) for kernel, opts in triton_fwd.LAUNCH.items()}
         for kernel in ("state", "output", "bwd_state", "bwd_local_v", "bwd_local_kv"):
             triton_fwd.LAUNCH[kernel].update(BV=16, num_warps=2)
-        for kernel in ("bwd_local_kv", "intra_diag", "bwd_diag"):
+        for kernel in ("bwd_local_kv", "bwd_diag"):
             triton_fwd.LAUNCH[kernel].update(BKS=16)
         triton_fwd.LAUNCH["bwd_local_k"].update(RB=16)
         narrow = outputs_and_grads(kda_triton, inputs)
@@ -176,15 +172,17 @@ def _run_checks() -> dict:
         "cotangent_bytes": sum(x.numel() * x.element_size() for x in kept[:2]),
     }
 
-    # causality: inputs at t >= P changed, outputs before P must not move
-    q, k, v, g, beta, h0 = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=8)]
-    o1, _ = kda_triton(q, k, v, g, beta, initial_state=h0)
+    # causality: inputs at t >= P changed, outputs before P must not move (beyond rounding), on both splits
     P = 37
-    q2, k2, v2, g2, beta2, _ = [x.float() for x in make_inputs(1, 70, 1, 16, 16, "softplus_sat", seed=9)]
-    mixed = [torch.cat([a[:, :P], b[:, P:]], 1) for a, b in zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
-    o2, _ = kda_triton(*mixed, initial_state=h0)
-    out["causality"] = {"before_P_max_abs_change": (o1[:, :P] - o2[:, :P]).abs().max().item(),
-                        "after_P_max_abs_change": (o1[:, P:] - o2[:, P:]).abs().max().item()}
+    for name, gate, safe in (("softplus", "softplus_sat", False), ("sigmoid", "sigmoid_sat", True)):
+        q, k, v, g, beta, h0 = [x.float() for x in make_inputs(1, 70, 1, 16, 16, gate, seed=8)]
+        o1, _ = kda_triton(q, k, v, g, beta, initial_state=h0, safe_gate=safe)
+        q2, k2, v2, g2, beta2, _ = [x.float() for x in make_inputs(1, 70, 1, 16, 16, gate, seed=9)]
+        mixed = [torch.cat([a[:, :P], b[:, P:]], 1) for a, b in zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
+        o2, _ = kda_triton(*mixed, initial_state=h0, safe_gate=safe)
+        out[f"causality_{name}"] = {"before_P_max_abs_change": (o1[:, :P] - o2[:, :P]).abs().max().item(),
+                                    "after_P_max_abs_change": (o1[:, P:] - o2[:, P:]).abs().max().item(),
+                                    "output_max_abs": o1.abs().max().item()}
     return out
 
 
@@ -195,10 +193,13 @@ def results():
 
 @pytest.mark.parametrize("case", list(CASES) + list(GATED) + ["softplus_mixed_chunks_T150"])
 def test_matches_float64_reference(results, case):
-    """Outputs, final state and every gradient within 1e-4 (relative) of the float64 reference."""
+    """Outputs, final state and every gradient within 1e-4 (relative) of the float64 reference; dA_log
+    within 3e-4: one number per head, the sum over every token and channel of dg * g with decays g of up
+    to 190 nats per token here, so fp32 rounding of dg anywhere moves it by more (its error changes by
+    2x with the order in which the kernels round, at the same dz error)."""
     errs = results[case]
     assert len(errs) >= 8
-    bad = {n: e for n, e in errs.items() if not e < LIMIT}
+    bad = {n: e for n, e in errs.items() if not e < (3e-4 if n == "dA_log" else LIMIT)}
     assert not bad, bad
 
 
@@ -252,22 +253,23 @@ def test_recompute_chunks_keeps_only_the_inputs_and_tinv_and_gives_the_same_resu
     assert r["saved_bytes"] == r["input_bytes"] + r["cotangent_bytes"] + r["tinv_bytes"]
 
 
-def test_unbounded_gate_picks_the_split_per_chunk(results):
-    """Mild chunks take the tensor-core split, the saturated one the exact diagonal kernels."""
-    assert results["chunk_flags"] == [1, 0, 1]
-    assert results["chunk_flags_half_saturated"] == [1, 0, 1]
+def test_diagonal_blocks_of_an_unbounded_gate_within_the_clamp_bound(results):
+    """Saturated softplus gates (steps down to -320, many past the clamp): every entry of At and P within
+    e^-16 (1.1e-7, the clamp's bound for unit keys) plus fp32 rounding of the exact pairwise products (a
+    clamp at 12 nats gives 2.8e-6 here)."""
+    r = results["diag_clamp"]
+    assert r["clamped_steps"] > 1000
+    assert r["At"] < 5e-7 and r["P"] < 5e-7, r
 
 
-def test_bench_softplus_cases_take_the_paths_they_claim(results):
-    """benchmarks.kda_bench: the typical softplus gates leave every chunk on the tensor-core split; the
-    softplus-fast case (one fast-forgetting channel per head) sends every chunk to the exact kernels."""
-    assert results["bench_chunk_flags_softplus"] == [1] * 8
-    assert results["bench_chunk_flags_softplus-fast"] == [0] * 8
-
-
-def test_causality(results):
-    c = results["causality"]
-    assert c["before_P_max_abs_change"] == 0.0
+@pytest.mark.parametrize("split", ["softplus", "sigmoid"])
+def test_causality(results, split):
+    """Changing the inputs from t = 37 on leaves the outputs before it unchanged up to fp32 rounding and
+    moves the later ones. Not bitwise: both splits factor a pair's decay through a reference inside its
+    16-row sub-block (the sigmoid's middle row, the softplus halves' middle value), which later tokens of
+    the sub-block set; the products are the same, their rounding is not."""
+    c = results[f"causality_{split}"]
+    assert c["before_P_max_abs_change"] < 1e-6 * c["output_max_abs"]
     assert c["after_P_max_abs_change"] > 1e-3
 
 

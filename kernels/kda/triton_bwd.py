@@ -14,7 +14,8 @@ leaving the chunk and Kd = K * e^{G_last - G}:
 
 and the gradients through the decayed products M_ij = sum_k a_ik b_jk e^{G_ik - G_jk} (A: a = b = k;
 P: a = q, b = k) with weights dM: da_i = sum_j dM_ij b_j e^{G_i - G_j}, db_j = sum_i dM_ij a_i e^{G_i - G_j},
-dG += a * da - b * db (``_bwd_local_k``, same overflow-safe splits as the forward). Finally
+dG += a * da - b * db (``_bwd_local_k``, and ``_bwd_diag`` for the diagonal sub-blocks of an unbounded
+gate; the same splits as the forward). Finally
 dg = reverse cumulative sum of dG within the chunk, through a fused gate map when there is one
 (``_dg_bwd``). Behind the fused prep of ``kda_gated`` (q, k L2-normalised, beta = sigmoid(logits)) the
 last kernels also take the gradients through it: ``_bwd_local_k`` those of the raw q and k,
@@ -27,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ..device import sm_count
-from .triton_fwd import (BC, BT, UNSAFE_CHUNKS, _chunk, _covers, _halving_factors, _load_rows, _load_tile, _pow2,
-                         _softplus, chunk_sets, dot_precision, launch, one_wave_block, state_pass, storage_dtype)
+from .triton_fwd import (BC, BT, _chunk, _diag_factors, _load_rows, _load_tile, _pow2, _same_half, _softplus,
+                         dot_precision, launch, one_wave_block, state_pass, storage_dtype)
 
 
 @triton.jit
@@ -294,113 +295,111 @@ def _cols_db(
 
 @triton.jit
 def _bwd_diag(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus)
-    in chunks whose Safe flag is 0 (``_bwd_local_k`` covers the others), added into the partial sums
-    dq_p, dk_p, dG_p before ``_bwd_local_k``. One program per (chunk x sub-block, b*h, BKS key columns:
-    the products are column-wise, so the slices are independent). With the pairwise
-    decays E_ij = e^{G_i - G_j} (j <= i) the four products are
+    """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus),
+    added into the partial sums dq_p, dk_p, dG_p before ``_bwd_local_k`` (which covers the earlier
+    sub-blocks). One program per (chunk x sub-block, b*h, BKS key columns: the products are column-wise,
+    so the slices are independent). With the pairwise decays E_ij = e^{G_i - G_j} (j <= i) the four
+    products are
         x1_i = sum_j dP_ij k_j E_ij,  x3_i = sum_j dA_ij k_j E_ij   (row side, a = q and a = k)
         x2_j = sum_i dP_ij q_i E_ij,  x4_j = sum_i dA_ij k_i E_ij   (column side)
-    each a masked tensor-core product per level of the halving split (``_halving_factors``: E_ij =
-    up_i lo_j), plus P's diagonal (E_ii = 1); then dq += x1, dk += x2 + x3 + x4,
-    dG += q x1 - k x2 + k (x3 - x4)."""
+    each two masked tensor-core products, as the forward splits them (``triton_fwd._diag_factors``: the
+    pairs across the middle row, then those within a half) and P's diagonal (E_ii = 1); then dq += x1,
+    dk += x2 + x3 + x4, dG += q x1 - k x2 + k (x3 - x4)."""
     i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
     i_bh, c0 = tl.program_id(1), tl.program_id(2) * BKS
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    if tl.load(Safe + i_bh * NT + i_n) == 0:
-        stride_k = H * K
-        base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        r16 = tl.arange(0, BCC)
-        cd = c0 + tl.arange(0, BKS)
-        rows = n * BCC + r16
-        qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
-        kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
-        Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
-        moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-        dP = tl.load(dPs + moff)
-        dA = tl.load(dAs + moff)
-        dP_ii = tl.sum(tl.where(r16[:, None] == r16[None, :], dP, 0.0), axis=1)[:, None]
-        x1, x2 = dP_ii * kd, dP_ii * qd
-        x3 = tl.zeros([BCC, BKS], dtype=tl.float32)
-        x4 = tl.zeros([BCC, BKS], dtype=tl.float32)
-        for level in tl.static_range(4):
-            up, lo, same = _halving_factors(Gd, G_ptr, n, c0, K, BCC >> level, BCC, BKS)
-            mP = tl.where(same, dP, 0.0)
-            mA = tl.where(same, dA, 0.0)
-            kl, ku = kd * lo, kd * up
-            x1 += up * tl.dot(mP, kl, input_precision=PREC)
-            x3 += up * tl.dot(mA, kl, input_precision=PREC)
-            x2 += lo * tl.dot(tl.trans(mP), qd * up, input_precision=PREC)
-            x4 += lo * tl.dot(tl.trans(mA), ku, input_precision=PREC)
-        poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
-        pmask = cd[None, :] < K
-        tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
-        tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
-        tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
+    stride_k = H * K
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k + c0
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    r16 = tl.arange(0, BCC)
+    cd = c0 + tl.arange(0, BKS)
+    rows = n * BCC + r16
+    qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
+    kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
+    Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
+    moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
+    dP = tl.load(dPs + moff)    # lower triangle with its diagonal (as stored)
+    dA = tl.load(dAs + moff)    # strictly lower
+    up, lo, u, l = _diag_factors(Gd, G_ptr, n, c0, K, BCC, BKS)
+    within = _same_half(BCC) & (r16[:, None] > r16[None, :])
+    hP = tl.where(within, dP, 0.0)
+    hA = tl.where(within, dA, 0.0)
+    dP_ii = tl.sum(tl.where(r16[:, None] == r16[None, :], dP, 0.0), axis=1)[:, None]   # E_ii = 1
+    kl, kh = kd * lo, kd * l
+    x1 = dP_ii * kd + up * tl.dot(dP, kl, input_precision=PREC) + u * tl.dot(hP, kh, input_precision=PREC)
+    x3 = up * tl.dot(dA, kl, input_precision=PREC) + u * tl.dot(hA, kh, input_precision=PREC)
+    x2 = (dP_ii * qd + lo * tl.dot(tl.trans(dP), qd * up, input_precision=PREC)
+          + l * tl.dot(tl.trans(hP), qd * u, input_precision=PREC))
+    x4 = (lo * tl.dot(tl.trans(dA), kd * up, input_precision=PREC)
+          + l * tl.dot(tl.trans(hA), kd * u, input_precision=PREC))
+    poff = (i_bh * NT * BTC + t0 + rows[:, None]) * K + cd[None, :]
+    pmask = cd[None, :] < K
+    tl.store(dq_p + poff, tl.load(dq_p + poff, mask=pmask) + x1, mask=pmask)
+    tl.store(dk_p + poff, tl.load(dk_p + poff, mask=pmask) + x2 + x3 + x4, mask=pmask)
+    tl.store(dG_p + poff, tl.load(dG_p + poff, mask=pmask) + qd * x1 - kd * x2 + kd * (x3 - x4), mask=pmask)
 
 
 @triton.jit
 def _bwd_local_k(
-    q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
+    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    RB: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
+    RB: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, NORM: tl.constexpr,
 ):
     """Gradients through the decayed products A (a = b = k) and P (a = q, b = k) for RB rows of a chunk
-    (program axis 0 runs over chunks x row blocks), for the chunks of CHUNKS (``triton_fwd.chunk_sets``):
-    dq and dk are final; dG is completed in place in dG_p [B, H, Tp, K] for ``_dg_bwd``. NORM: q and k
+    (program axis 0 runs over chunks x row blocks); SAFE: a bounded gate, whose diagonal sub-blocks are
+    in these products too (else ``_bwd_diag`` has added them into the partial sums). dq and dk are
+    final; dG is completed in place in dG_p [B, H, Tp, K] for ``_dg_bwd``. NORM: q and k
     are L2-normalised rows with inverse norms rq, rk [B, T, H], and dq, dk are stored as the gradients
     of the raw rows, (dxn - xn <xn, dxn>) / |x|."""
     NRB: tl.constexpr = BTC // RB
     i_n, i_r, i_bh = tl.program_id(0) // NRB, tl.program_id(0) % NRB, tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    if _covers(Safe, i_bh * NT + i_n, CHUNKS):
-        stride_k = H * K
-        base_k = (i_b * T * H + i_h) * K + t0 * stride_k
-        q_ptr = q + base_k
-        k_ptr = k + base_k
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
-        qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
-        Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
-        ck = tl.arange(0, BK)
-        cols = tl.arange(0, BTC)
-        r16 = tl.arange(0, BCC)
-        mbase = (i_bh * NT * BTC + t0) * BTC
-        pbase = (i_bh * NT * BTC + t0) * K
-        for s in tl.static_range(RB // BCC):
-            n = i_r * (RB // BCC) + s
-            rows = n * BCC + r16
-            G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
-            k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-            q_n = _load_tile(q_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
-            row_off = mbase + rows[:, None] * BTC + cols[None, :]
-            col_off = mbase + cols[None, :] * BTC + rows[:, None]          # [j, i] -> M[i, j]
-            dP_r = tl.load(dPs + row_off)
-            dA_r = tl.load(dAs + row_off)
-            dP_c = tl.load(dPs + col_off)
-            dA_c = tl.load(dAs + col_off)
-            x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS, BTC, BCC, BK, PREC)
-            x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, CHUNKS != UNSAFE_CHUNKS, BTC, BCC, BK, PREC)
-            poff = pbase + rows[:, None] * K + ck[None, :]
-            pmask = ck[None, :] < K
-            dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
-            dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
-            dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
-            tl.store(dG_p + poff, dG_n, mask=pmask)
-            if NORM:
-                inv = (i_b * T + t0 + rows) * H + i_h
-                rq_n = tl.load(rq + inv, mask=rows < T_local, other=0.0)
-                rk_n = tl.load(rk + inv, mask=rows < T_local, other=0.0)
-                dq_n = (dq_n - q_n * tl.sum(q_n * dq_n, axis=1)[:, None]) * rq_n[:, None]
-                dk_n = (dk_n - k_n * tl.sum(k_n * dk_n, axis=1)[:, None]) * rk_n[:, None]
-            out_off = base_k + rows[:, None] * stride_k + ck[None, :]
-            omask = (rows[:, None] < T_local) & (ck[None, :] < K)
-            tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
-            tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
+    stride_k = H * K
+    base_k = (i_b * T * H + i_h) * K + t0 * stride_k
+    q_ptr = q + base_k
+    k_ptr = k + base_k
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
+    qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
+    Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
+    ck = tl.arange(0, BK)
+    cols = tl.arange(0, BTC)
+    r16 = tl.arange(0, BCC)
+    mbase = (i_bh * NT * BTC + t0) * BTC
+    pbase = (i_bh * NT * BTC + t0) * K
+    for s in tl.static_range(RB // BCC):
+        n = i_r * (RB // BCC) + s
+        rows = n * BCC + r16
+        G_n = _load_tile(G_ptr, n * BCC, BTC, K, K, BCC, BK)
+        k_n = _load_tile(k_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+        q_n = _load_tile(q_ptr, n * BCC, T_local, stride_k, K, BCC, BK)
+        row_off = mbase + rows[:, None] * BTC + cols[None, :]
+        col_off = mbase + cols[None, :] * BTC + rows[:, None]          # [j, i] -> M[i, j]
+        dP_r = tl.load(dPs + row_off)
+        dA_r = tl.load(dAs + row_off)
+        dP_c = tl.load(dPs + col_off)
+        dA_c = tl.load(dAs + col_off)
+        x1, x3 = _rows_da(dP_r, dA_r, kk, Gall, G_n, n, G_ptr, K, SAFE, BTC, BCC, BK, PREC)
+        x2, x4 = _cols_db(dP_c, qq, dA_c, kk, Gall, G_n, n, G_ptr, K, SAFE, BTC, BCC, BK, PREC)
+        poff = pbase + rows[:, None] * K + ck[None, :]
+        pmask = ck[None, :] < K
+        dq_n = tl.load(dq_p + poff, mask=pmask, other=0.0) + x1
+        dk_n = tl.load(dk_p + poff, mask=pmask, other=0.0) + x2 + x3 + x4
+        dG_n = tl.load(dG_p + poff, mask=pmask, other=0.0) + q_n * x1 - k_n * x2 + k_n * (x3 - x4)
+        tl.store(dG_p + poff, dG_n, mask=pmask)
+        if NORM:
+            inv = (i_b * T + t0 + rows) * H + i_h
+            rq_n = tl.load(rq + inv, mask=rows < T_local, other=0.0)
+            rk_n = tl.load(rk + inv, mask=rows < T_local, other=0.0)
+            dq_n = (dq_n - q_n * tl.sum(q_n * dq_n, axis=1)[:, None]) * rq_n[:, None]
+            dk_n = (dk_n - k_n * tl.sum(k_n * dk_n, axis=1)[:, None]) * rk_n[:, None]
+        out_off = base_k + rows[:, None] * stride_k + ck[None, :]
+        omask = (rows[:, None] < T_local) & (ck[None, :] < K)
+        tl.store(dq + out_off, dq_n.to(dq.dtype.element_ty), mask=omask)
+        tl.store(dk + out_off, dk_n.to(dk.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -461,7 +460,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Safe, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "Safe", "At", "P", "Tinv", "W", "Kd", "Qg"))
+    G, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Kd", "Qg"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     _bwd_state_prep[(NT, B * H)](P, do, dDl, T, H, V, min(64, _pow2(V)), BT, prec, num_warps=8)
@@ -504,13 +503,12 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     if not safe_gate:
         _, diag_opts = launch("bwd_diag")
         BKS_D = min(diag_opts.pop("BKS"), BK)
-        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
+        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
                                                                   BKS_D, BT, BC, prec, **diag_opts)
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")
-    for chunks in chunk_sets(safe_gate):
-        _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, Safe, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
-                                               T, H, K, BK, BT, BC, RB, chunks, prec, norm, **k_opts)
+    _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,
+                                           T, H, K, BK, BT, BC, RB, bool(safe_gate), prec, norm, **k_opts)
     # dg: the gradient of the log-decay g, or of the raw gate input z when the gate map is fused
     dg = torch.empty(B, T, H, K, device=dev, dtype=f32) if not gate else torch.empty_like(z)
     _, g_opts = launch("dg_bwd")

@@ -11,19 +11,24 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
 Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
-16 rows at a time; for an unbounded gate ``_intra_diag`` then fills their diagonal sub-blocks),
-``_wy`` (Tinv by 16x16 blocks, U, W, and Kd = K * e^{G_last - G}), ``_state`` (the sequential pass
-over chunks, one program per (b, h, V-block), whose products take W and Kd as they are stored),
-``_output``.
+16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W, and Kd = K * e^{G_last - G}), ``_state`` (the
+sequential pass over chunks, one program per (b, h, V-block), whose products take W and Kd as they are
+stored), ``_output``.
 
 Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
-inside ``tl.dot``: with SAFE = False (any gate, e.g. softplus) the split points are the first row
-of the query's 16-row sub-block (all exponents <= 0), and the 16x16 diagonal sub-blocks are split
-the same way recursively, at the middle rows of halves, quarters, eighths (``_halving_factors``:
-four masked products, every exponent <= 0); with SAFE = True
-(gate bounded below, g >= -5 as in K3's sigmoid map) the split point is the middle row of the
-sub-block, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal sub-blocks are
-tensor-core matmuls too (K3 sec. 2.1.1).
+inside ``tl.dot``. With safe_gate (gate bounded below, g >= -5 as in K3's sigmoid map) every 16-row
+sub-block is split at its middle row, so every exponent stays within 16 * 5 / 2 = 40 and the diagonal
+sub-blocks are part of the same tensor-core product (K3 sec. 2.1.1). With any other gate (softplus) the
+pairs of earlier sub-blocks are split at the first row of the query's sub-block (every exponent <= 0),
+and a diagonal sub-block takes two masked 16x16 products (``_diag_factors``): the pairs across its middle
+row split there (exact, exponents <= 0), the pairs within one half at that half's middle value of the
+decay with every token's step clamped to at most DIAG_CLAMP = 16 nats; P's diagonal (factor 1) is
+q_i . k_i. The clamp only touches a pair whose true factor is below e^-16 (a token between them decays
+by more than that), so it moves that factor by less than e^-16 = 1.1e-7, the fp32 rounding of a factor
+near 1, and keeps every exponential within e^(7 * 16 / 2) = e^56; a product of two overflows only in
+the upper triangle, which is masked before it is summed. A model
+trained with softplus has most sub-blocks far outside the sigmoid bound (``benchmarks.kda_decay``: by
+step 15 of the GPU benchmark over 90% of them decay by more than 160), so this is its common path.
 """
 from __future__ import annotations
 
@@ -34,10 +39,8 @@ from ..device import sm_count
 
 BT = 64  # chunk size
 BC = 16  # sub-block size
-# A 16-row sub-block whose log-decay drops by at most this much in every channel is safe for the
-# tensor-core split at its middle row: every factor stays below e^75 (the bound the sigmoid map with
-# g >= -5 guarantees: 15 steps of 5).
-SAFE_RANGE: tl.constexpr = tl.constexpr(75.0)
+# The most a token's log-decay step counts for inside one half of a diagonal sub-block (module docstring).
+DIAG_CLAMP: tl.constexpr = tl.constexpr(16.0)
 
 # Launch configuration per kernel (V-block width BV where the kernel tiles V, key-slice width BKS where
 # it slices K, rows per program RB where it splits a chunk's rows, warps, pipeline stages).
@@ -55,7 +58,6 @@ LAUNCH = {
     "bwd_local_k": dict(RB=16, num_warps=4),
     "gate_cumsum": dict(BKS=32, num_warps=4),
     "dg_bwd": dict(BKS=32, num_warps=4),
-    "intra_diag": dict(BKS=32, num_warps=4),
     "bwd_diag": dict(BKS=32, num_warps=4),
 }
 
@@ -99,16 +101,13 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, Safe, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
-    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, CHECK: tl.constexpr,
+    g, A_log, dt_bias, G, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
     g = G_MIN * sigmoid(exp(A_log[h]) * (z + dt_bias[h, :])), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
-    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
-    With CHECK (a gate not bounded below), Safe[b, h, n] (set to 1 before the launch) is cleared unless
-    every 16-row sub-block of the chunk decays by at most SAFE_RANGE in every channel, so that the
-    tensor-core path is exact there too."""
+    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0)."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -127,59 +126,40 @@ def _gate_cumsum(
     Gc = tl.cumsum(x, axis=0)
     base = G + (i_bh * NT * BTC) * K
     tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
-    if CHECK:  # decay across a sub-block = -(sum of g over its rows 1..15), one masked column sum each
-        r16 = tl.arange(0, BTC) % BCC
-        blk = tl.arange(0, BTC) // BCC
-        worst = 0.0
-        for m in tl.static_range(BTC // BCC):
-            inner = tl.where(((blk == m) & (r16 > 0))[:, None], x, 0.0)
-            worst = tl.maximum(worst, tl.max(-tl.sum(inner, axis=0), axis=0))
-        tl.atomic_min(Safe + i_bh * NT + i_n, (worst <= SAFE_RANGE).to(tl.int32))
 
 
 @triton.jit
-def _halving_factors(Gd, G_ptr, n, c0, K, S: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr):
-    """One level of the halving split of diagonal sub-block n over key columns c0 .. c0+BKS (its rows of
-    the chunk's G there in Gd [BC, BKS], the chunk's row 0 at G_ptr): the rows fall in groups of S, each split at its middle row r. A pair (i, j) with i in
-    the upper half of a group and j in the lower half of the same one has
-        e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j},   both exponents <= 0 whatever the gate,
-    and every pair i > j of the sub-block is such a pair at exactly one level S = BCC, BCC/2, .., 2.
-    Returns up [BC, BKS] (e^{G_i - G_r} on upper-half rows, else 0), lo [BC, BKS] (e^{G_r - G_j} on
-    lower-half rows, else 0) and the [BC, BC] same-group mask, all float32."""
+def _diag_factors(Gd, G_ptr, n, c0, K, BCC: tl.constexpr, BKS: tl.constexpr):
+    """The two splits of diagonal sub-block n for an unbounded gate, over key columns c0 .. c0+BKS (the
+    sub-block's rows of the chunk's G there in Gd [BC, BKS], the chunk's row 0 at G_ptr). With r its
+    middle row (row BC/2 of the sub-block):
+      pairs i >= r > j:  e^{G_i - G_j} = up_i lo_j,  up = e^{G - G_r} on rows >= r, lo = e^{G_r - G} on rows < r
+                         (zero elsewhere, so the product holds exactly these pairs; both exponents <= 0);
+      pairs in one half: e^{G~_i - G~_j} = u_i l_j,  u = e^{G~ - M}, l = e^{M - G~}, with G~ the cumulative
+                         decay whose per-token steps are clamped at -DIAG_CLAMP and M its middle value over
+                         the row's half (|exponent| <= 7 * DIAG_CLAMP / 2); the caller masks other pairs.
+    Returns up, lo, u, l, each [BC, BKS] float32."""
     r = tl.arange(0, BCC)
     cols = c0 + tl.arange(0, BKS)
-    ref = n * BCC + (r // S) * S + S // 2
-    Gr = tl.load(G_ptr + ref[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
-    e = tl.exp(-tl.abs(Gd - Gr))
-    upper = ((r % S) >= S // 2)[:, None]
-    same = (r[:, None] // S) == (r[None, :] // S)
-    return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), same
-
-
-# The chunks one launch of ``_intra`` or ``_bwd_local_k`` covers (a compile-time argument), and so its
-# split: with a bounded gate one launch takes every chunk; with an unbounded one a launch compiled for
-# the middle-row split takes the chunks ``_gate_cumsum`` flagged safe and a second one, compiled for the
-# first-row split, the others. Each kernel then holds one split's code, not both behind a runtime branch.
-ALL_CHUNKS: tl.constexpr = tl.constexpr(0)
-SAFE_CHUNKS: tl.constexpr = tl.constexpr(1)
-UNSAFE_CHUNKS: tl.constexpr = tl.constexpr(2)
-
-
-def chunk_sets(safe_gate: bool) -> tuple[int, ...]:
-    """The launches of a chunk kernel: one for a bounded gate, one per kind of chunk otherwise."""
-    sets = (ALL_CHUNKS,) if safe_gate else (SAFE_CHUNKS, UNSAFE_CHUNKS)
-    return tuple(c.value for c in sets)
+    half: tl.constexpr = BCC // 2
+    upper = (r >= half)[:, None]
+    g_mid = tl.sum(tl.where(r[:, None] == half, Gd, 0.0), axis=0)
+    e = tl.exp(-tl.abs(Gd - g_mid[None, :]))
+    prev = tl.load(G_ptr + (n * BCC + r[:, None] - 1) * K + cols[None, :],
+                   mask=(r[:, None] >= 1) & (cols[None, :] < K), other=0.0)
+    Gc = tl.cumsum(tl.where(r[:, None] >= 1, tl.maximum(Gd - prev, -DIAG_CLAMP), 0.0), axis=0)  # row 0: 0
+    end_lower = tl.sum(tl.where(r[:, None] == half - 1, Gc, 0.0), axis=0)
+    start_upper = tl.sum(tl.where(r[:, None] == half, Gc, 0.0), axis=0)
+    end_upper = tl.sum(tl.where(r[:, None] == BCC - 1, Gc, 0.0), axis=0)
+    d = Gc - tl.where(upper, 0.5 * (start_upper + end_upper)[None, :], 0.5 * end_lower[None, :])
+    return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), tl.exp(d), tl.exp(-d)
 
 
 @triton.jit
-def _covers(Safe, idx, CHUNKS: tl.constexpr):
-    """Whether a launch for CHUNKS handles chunk idx (whose flag in Safe is read for an unbounded gate)."""
-    if CHUNKS == ALL_CHUNKS:
-        return True
-    elif CHUNKS == SAFE_CHUNKS:
-        return tl.load(Safe + idx) != 0
-    else:
-        return tl.load(Safe + idx) == 0
+def _same_half(BCC: tl.constexpr):
+    """[BC, BC] mask of the pairs (i, j) of a sub-block in the same half."""
+    r = tl.arange(0, BCC)
+    return (r[:, None] < BCC // 2) == (r[None, :] < BCC // 2)
 
 
 @triton.jit
@@ -190,14 +170,20 @@ def _decayed_rows(
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
     columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
     accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr
-    point at row 0 of the chunk. SAFE picks the split (middle row if true, first row if false). Returns
-    two float32 [BC, NW]; with SAFE false the diagonal sub-block is left zero (``_intra_diag`` fills it).
+    point at row 0 of the chunk. SAFE (a bounded gate): one product per slice split at the sub-block's
+    middle row; else the earlier sub-blocks split at its first row and the diagonal sub-block by
+    ``_diag_factors`` (module docstring). Returns At's and P's rows, float32 [BC, NW], and, with SAFE false,
+    their diagonal sub-blocks [BC, BC] apart (the rows' columns n*BC .. n*BC+BC are zero then; with SAFE
+    true those are in the rows and the two blocks are zero).
     On the way it stores these rows of Qg = scale q e^G (row 0 at qg_ptr, row stride K), the operand of
     the inter-chunk output term and of the reverse state pass."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, NW)
+    r16 = tl.arange(0, BCC)
     A = tl.zeros([BCC, NW], dtype=tl.float32)
     P = tl.zeros([BCC, NW], dtype=tl.float32)
+    A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
+    P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
     split = n * BCC + BCC // 2 if SAFE else n * BCC
     for c0 in range(0, K, BKS):
         ck = c0 + tl.arange(0, BKS)
@@ -214,6 +200,15 @@ def _decayed_rows(
             kf = tl.trans(kk * tl.exp(tl.where(cols[:, None] < (n + 1) * BCC, g_s[None, :] - Gk, 0.0)))
         else:
             kf = tl.trans(kk * tl.exp(tl.minimum(tl.where(cols[:, None] < n * BCC, g_s[None, :] - Gk, 0.0), 0.0)))
+            up, lo, u, l = _diag_factors(G_n, G_ptr, n, c0, K, BCC, BKS)
+            kl = tl.trans(k_n * lo)
+            kh = tl.trans(k_n * l)
+            same = _same_half(BCC)   # and the upper triangle, where the factors' products overflow, masked
+            A_d += tl.dot(k_n * up, kl, input_precision=PREC)
+            A_d += tl.where(same & (r16[:, None] > r16[None, :]), tl.dot(k_n * u, kh, input_precision=PREC), 0.0)
+            P_d += tl.dot(q_n * up, kl, input_precision=PREC)
+            P_d += tl.where(same & (r16[:, None] > r16[None, :]), tl.dot(q_n * u, kh, input_precision=PREC), 0.0)
+            P_d += tl.where(r16[:, None] == r16[None, :], tl.sum(q_n * k_n, axis=1)[:, None], 0.0)  # e^0 exactly
         A += tl.dot(k_n * rf, kf, input_precision=PREC)
         P += tl.dot(q_n * rf, kf, input_precision=PREC)
     if not SAFE:
@@ -222,7 +217,7 @@ def _decayed_rows(
         P = tl.where(earlier, P, 0.0)
     A = tl.where(rows[:, None] > cols[None, :], A, 0.0)
     P = tl.where(rows[:, None] >= cols[None, :], P, 0.0)
-    return A, P
+    return A, P, A_d, P_d
 
 
 @triton.jit
@@ -231,12 +226,22 @@ def _intra_rows(
     BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
-    from ``_decayed_rows``, zeros after them."""
+    from ``_decayed_rows`` (its diagonal block stored apart when SAFE is false), zeros after them."""
     rows = n * BCC + tl.arange(0, BCC)
-    a, p = _decayed_rows(q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS, PREC)
-    offs = rows[:, None] * BTC + tl.arange(0, NW)[None, :]
-    tl.store(At_ptr + offs, a)
-    tl.store(P_ptr + offs, p * scale)
+    cols = tl.arange(0, NW)
+    a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS,
+                                   PREC)
+    offs = rows[:, None] * BTC + cols[None, :]
+    if SAFE:
+        tl.store(At_ptr + offs, a)
+        tl.store(P_ptr + offs, p * scale)
+    else:  # two disjoint stores: the diagonal block's columns come from a_d, p_d
+        off_diag = (cols[None, :] < n * BCC) | (cols[None, :] >= n * BCC + BCC)
+        tl.store(At_ptr + offs, a, mask=off_diag)
+        tl.store(P_ptr + offs, p * scale, mask=off_diag)
+        doffs = rows[:, None] * BTC + rows[None, :]
+        tl.store(At_ptr + doffs, a_d)
+        tl.store(P_ptr + doffs, p_d * scale)
     for m in tl.static_range(NW // BCC, BTC // BCC):
         zoffs = rows[:, None] * BTC + m * BCC + tl.arange(0, BCC)[None, :]
         tl.store(At_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
@@ -245,68 +250,30 @@ def _intra_rows(
 
 @triton.jit
 def _intra(
-    q, k, G, Qg, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
+    q, k, G, Qg, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
-    (program axis 0: chunk * BT / BC + block), for the chunks of CHUNKS (flags in Safe [B * H * NT]; see
-    ``chunk_sets``). Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64
-    for BT = 4 BC); the rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K]
-    (``_decayed_rows``)."""
+    (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (``_decayed_rows``). Row block n
+    computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64 for BT = 4 BC); the rest are
+    zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``)."""
     i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    if _covers(Safe, i_bh * NT + i_n, CHUNKS):
-        stride = H * K
-        q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
-        k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        out = (i_bh * NT * BTC + t0) * BTC
-        out_k = (i_bh * NT * BTC + t0) * K
-        SAFE: tl.constexpr = CHUNKS != UNSAFE_CHUNKS
-        if i_r == 0:
-            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
-                        BTC, BCC, BKS, PREC)
-        elif i_r == 1:
-            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
-                        BTC, BCC, BKS, PREC)
-        else:
-            _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
-                        BTC, BCC, BKS, PREC)
-
-
-@triton.jit
-def _intra_diag(
-    q, k, G, At, P, Safe, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-    BKS: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
-):
-    """One diagonal 16x16 sub-block of At and P (program axis 0 runs over chunks x sub-blocks) for an
-    unbounded gate (softplus) in a chunk whose Safe flag is 0, written over the zeros ``_intra`` left
-    there: M_ij = sum_c a_ic k_jc e^{G_ic - G_jc} as one masked 16x16 tensor-core product per level of
-    the halving split (``_halving_factors``) and key slice of BKS columns, plus P's diagonal q_i . k_i."""
-    i_n, n = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC)
-    i_bh = tl.program_id(1)
-    i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
-    if tl.load(Safe + i_bh * NT + i_n) == 0:
-        stride = H * K
-        base = (i_b * T * H + i_h) * K + t0 * stride
-        G_ptr = G + (i_bh * NT * BTC + t0) * K
-        r16 = tl.arange(0, BCC)
-        A_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-        P_d = tl.zeros([BCC, BCC], dtype=tl.float32)
-        for c0 in tl.static_range(0, BK, BKS):  # key slices
-            k_d = _load_tile(k + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKS)
-            q_d = _load_tile(q + base + c0, n * BCC, T_local, stride, K - c0, BCC, BKS)
-            Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
-            P_d += tl.where(r16[:, None] == r16[None, :], tl.sum(q_d * k_d, axis=1)[:, None], 0.0)
-            for level in tl.static_range(4):
-                up, lo, same = _halving_factors(Gd, G_ptr, n, c0, K, BCC >> level, BCC, BKS)
-                kl = tl.trans(k_d * lo)
-                A_d += tl.where(same, tl.dot(k_d * up, kl, input_precision=PREC), 0.0)
-                P_d += tl.where(same, tl.dot(q_d * up, kl, input_precision=PREC), 0.0)
-        rows = n * BCC + r16
-        offs = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
-        tl.store(At + offs, A_d)
-        tl.store(P + offs, P_d * scale)
+    stride = H * K
+    q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
+    k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
+    G_ptr = G + (i_bh * NT * BTC + t0) * K
+    out = (i_bh * NT * BTC + t0) * BTC
+    out_k = (i_bh * NT * BTC + t0) * K
+    if i_r == 0:
+        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
+                    BTC, BCC, BKS, PREC)
+    elif i_r == 1:
+        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
+                    BTC, BCC, BKS, PREC)
+    else:
+        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
+                    BTC, BCC, BKS, PREC)
 
 
 @triton.jit
@@ -593,7 +560,7 @@ def check_head_dim(K: int) -> None:
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
                         prec=None, Tinv=None):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
-    G, Safe, At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
+    G, At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
     this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``): the same
     kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy`` then
     reads instead of inverting again (the sequential part of the WY kernel)."""
@@ -608,27 +575,20 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     dev = q.device
     f32 = torch.float32
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    Safe = torch.ones(B * H * NT, device=dev, dtype=torch.int32)  # per-chunk flag, unbounded gates only
     dummy = G
     _, opts = launch("gate_cumsum")
     BKS = min(opts.pop("BKS"), BK)
     _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
-                                                    dummy if dt_bias is None else dt_bias, G, Safe, T, H, K, BKS,
-                                                    gate, float(g_min), BT, BC, not safe_gate, **opts)
+                                                    dummy if dt_bias is None else dt_bias, G, T, H, K, BKS,
+                                                    gate, float(g_min), BT, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     sd = storage_dtype(v.dtype)
     Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     _, intra_opts = launch("intra")
     BKS_I = min(intra_opts.pop("BKS"), BK)
-    for chunks in chunk_sets(safe_gate):
-        _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, Safe, float(scale), T, H, K, BKS_I, BT, BC, chunks, prec,
-                                         **intra_opts)
-    if not safe_gate:
-        _, diag_opts = launch("intra_diag")
-        BKS_D = min(diag_opts.pop("BKS"), BK)
-        _intra_diag[(NT * (BT // BC), B * H)](q, k, G, At, P, Safe, float(scale), T, H, K, BK, BKS_D, BT, BC, prec,
-                                              **diag_opts)
+    _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, float(scale), T, H, K, BKS_I, BT, BC, bool(safe_gate), prec,
+                                     **intra_opts)
     load_t = Tinv is not None
     if not load_t:
         Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
@@ -638,7 +598,7 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
                      load_t, **wy_opts)
-    return dict(G=G, Safe=Safe, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
+    return dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
