@@ -219,11 +219,11 @@ def test_half_precision_inputs_within_half_precision_error(results, case):
 
 def test_half_inputs_keep_half_intermediates(results):
     """Half-precision inputs keep the normalised q/k, Qg, U, W, Kd, delta and the chunk states in their dtype
-    (half the memory traffic); G, At, P and Tinv stay float32; float32 inputs keep everything float32."""
+    (half the memory traffic); G, Gh, At, P and Tinv stay float32; float32 inputs keep everything float32."""
     half, full = results["kept_dtypes_float16"], results["kept_dtypes_float32"]
-    assert set(half) == set(full) >= {"G", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised"}
-    assert {n for n, d in half.items() if d == "float16"} == set(half) - {"G", "At", "P", "Tinv"}
-    assert all(d == "float32" for n, d in half.items() if n in ("G", "At", "P", "Tinv"))
+    assert set(half) == set(full) >= {"G", "Gh", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised"}
+    assert {n for n, d in half.items() if d == "float16"} == set(half) - {"G", "Gh", "At", "P", "Tinv"}
+    assert all(d == "float32" for n, d in half.items() if n in ("G", "Gh", "At", "P", "Tinv"))
     assert all(d == "float32" for d in full.values())
 
 

@@ -44,7 +44,7 @@ def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool 
     intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and the backward reruns
     the rest of ``triton_fwd.chunk_intermediates``), then with ``fuse_prep`` the normalised q, k (qn, kn),
     beta = sigmoid(logits) and the inverse norms rq, rk (``triton_fwd.prep_fwd``)."""
-    names = ["G", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
+    names = ["G", "Gh", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
     return (["Tinv"] if recompute_chunks else names) + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
 
 
@@ -78,7 +78,7 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_g
     NT = (T + BT - 1) // BT
     Tp = NT * BT
     f32, sd, sq = torch.float32, storage_dtype(v.dtype), storage_dtype(q.dtype)
-    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32),
+    like = dict(G=((B, H, Tp, K), f32), Gh=((0,) if safe_gate else (B, H, Tp, K), f32), At=((B, H, Tp, BT), f32),
                 P=((B, H, Tp, BT), f32), Tinv=((B, H, Tp, BT), f32), W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
                 Qg=((B, H, Tp, K), sd), U=((B, T, H, V), sd), Hs=((B, H, NT, K, V), sd), Dl=((B, T, H, V), sd),
                 qn=((B, T, H, K), sq), kn=((B, T, H, K), sq), beta=((B, T, H), f32), rq=((B, T, H), f32),

@@ -295,7 +295,7 @@ def _cols_db(
 
 @triton.jit
 def _bwd_diag(
-    q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    q, k, G, Gh, dPs, dAs, dq_p, dk_p, dG_p, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, PREC: tl.constexpr,
 ):
     """The diagonal 16x16 sub-blocks of the decayed-product gradients for an unbounded gate (softplus),
@@ -320,10 +320,12 @@ def _bwd_diag(
     qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
     kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
     Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
+    Hd = _load_tile(Gh + (i_bh * NT * BTC + t0) * K + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
+    g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + cd, mask=cd < K, other=0.0)
     moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
     dP = tl.load(dPs + moff)    # lower triangle with its diagonal (as stored)
     dA = tl.load(dAs + moff)    # strictly lower
-    up, lo, u, l = _diag_factors(Gd, G_ptr, n, c0, K, BCC, BKS)
+    up, lo, u, l = _diag_factors(Gd, Hd, g_mid, BCC)
     within = _same_half(BCC) & (r16[:, None] > r16[None, :])
     hP = tl.where(within, dP, 0.0)
     hA = tl.where(within, dA, 0.0)
@@ -460,7 +462,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Kd", "Qg"))
+    G, Gh, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "Gh", "At", "P", "Tinv", "W", "Kd", "Qg"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     _bwd_state_prep[(NT, B * H)](P, do, dDl, T, H, V, min(64, _pow2(V)), BT, prec, num_warps=8)
@@ -503,7 +505,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     if not safe_gate:
         _, diag_opts = launch("bwd_diag")
         BKS_D = min(diag_opts.pop("BKS"), BK)
-        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
+        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, Gh, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
                                                                   BKS_D, BT, BC, prec, **diag_opts)
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")

@@ -101,13 +101,16 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
-    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr,
+    g, A_log, dt_bias, G, Gh, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, HALVES: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
     g = G_MIN * sigmoid(exp(A_log[h]) * (z + dt_bias[h, :])), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
-    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0)."""
+    g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
+    HALVES (an unbounded gate): also Gh [B, H, Tp, K] float32, the exponent of the diagonal sub-blocks'
+    split within a half (``_diag_factors``): the cumulative decay from the half's first row with each
+    step clamped at -DIAG_CLAMP, minus its middle value over the half (half its last value)."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -124,35 +127,30 @@ def _gate_cumsum(
             x = -a * _softplus(z)
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
-    base = G + (i_bh * NT * BTC) * K
-    tl.store(base + r[:, None] * K + c[None, :], Gc, mask=c[None, :] < K)
+    base = (i_bh * NT * BTC) * K + r[:, None] * K + c[None, :]
+    tl.store(G + base, Gc, mask=c[None, :] < K)
+    if HALVES:
+        HALF: tl.constexpr = BCC // 2
+        first = (tl.arange(0, BTC) % HALF == 0)[:, None]
+        steps = tl.reshape(tl.where(first, 0.0, tl.maximum(x, -DIAG_CLAMP)), [BTC // HALF, HALF, BKS])
+        within = tl.cumsum(steps, axis=1)                        # [halves, rows, BKS], 0 on each first row
+        centred = within - 0.5 * tl.min(within, axis=1)[:, None, :]  # non-increasing: the min is the last
+        tl.store(Gh + base, tl.reshape(centred, [BTC, BKS]), mask=c[None, :] < K)
 
 
 @triton.jit
-def _diag_factors(Gd, G_ptr, n, c0, K, BCC: tl.constexpr, BKS: tl.constexpr):
-    """The two splits of diagonal sub-block n for an unbounded gate, over key columns c0 .. c0+BKS (the
-    sub-block's rows of the chunk's G there in Gd [BC, BKS], the chunk's row 0 at G_ptr). With r its
-    middle row (row BC/2 of the sub-block):
+def _diag_factors(Gd, Hd, g_mid, BCC: tl.constexpr):
+    """The two splits of a diagonal sub-block for an unbounded gate over some key columns: its rows of G
+    (Gd) and of Gh (Hd, from ``_gate_cumsum``), [BC, BKS], and G at its middle row r (g_mid [BKS]).
       pairs i >= r > j:  e^{G_i - G_j} = up_i lo_j,  up = e^{G - G_r} on rows >= r, lo = e^{G_r - G} on rows < r
                          (zero elsewhere, so the product holds exactly these pairs; both exponents <= 0);
-      pairs in one half: e^{G~_i - G~_j} = u_i l_j,  u = e^{G~ - M}, l = e^{M - G~}, with G~ the cumulative
-                         decay whose per-token steps are clamped at -DIAG_CLAMP and M its middle value over
-                         the row's half (|exponent| <= 7 * DIAG_CLAMP / 2); the caller masks other pairs.
+      pairs in one half: e^{G~_i - G~_j} = u_i l_j,  u = e^{Gh}, l = e^{-Gh} (|Gh| <= 7 * DIAG_CLAMP / 2),
+                         G~ the decay with each step clamped; the caller masks the other pairs and the
+                         diagonal i = j, whose factor is 1.
     Returns up, lo, u, l, each [BC, BKS] float32."""
-    r = tl.arange(0, BCC)
-    cols = c0 + tl.arange(0, BKS)
-    half: tl.constexpr = BCC // 2
-    upper = (r >= half)[:, None]
-    g_mid = tl.sum(tl.where(r[:, None] == half, Gd, 0.0), axis=0)
+    upper = (tl.arange(0, BCC) >= BCC // 2)[:, None]
     e = tl.exp(-tl.abs(Gd - g_mid[None, :]))
-    prev = tl.load(G_ptr + (n * BCC + r[:, None] - 1) * K + cols[None, :],
-                   mask=(r[:, None] >= 1) & (cols[None, :] < K), other=0.0)
-    Gc = tl.cumsum(tl.where(r[:, None] >= 1, tl.maximum(Gd - prev, -DIAG_CLAMP), 0.0), axis=0)  # row 0: 0
-    end_lower = tl.sum(tl.where(r[:, None] == half - 1, Gc, 0.0), axis=0)
-    start_upper = tl.sum(tl.where(r[:, None] == half, Gc, 0.0), axis=0)
-    end_upper = tl.sum(tl.where(r[:, None] == BCC - 1, Gc, 0.0), axis=0)
-    d = Gc - tl.where(upper, 0.5 * (start_upper + end_upper)[None, :], 0.5 * end_lower[None, :])
-    return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), tl.exp(d), tl.exp(-d)
+    return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), tl.exp(Hd), tl.exp(-Hd)
 
 
 @triton.jit
@@ -164,13 +162,13 @@ def _same_half(BCC: tl.constexpr):
 
 @triton.jit
 def _decayed_rows(
-    q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
     NW: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
     columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
-    accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr
-    point at row 0 of the chunk. SAFE (a bounded gate): one product per slice split at the sub-block's
+    accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr (and
+    Gh_ptr, read when SAFE is false) point at row 0 of the chunk. SAFE (a bounded gate): one product per slice split at the sub-block's
     middle row; else the earlier sub-blocks split at its first row and the diagonal sub-block by
     ``_diag_factors`` (module docstring). Returns At's and P's rows, float32 [BC, NW], and, with SAFE false,
     their diagonal sub-blocks [BC, BC] apart (the rows' columns n*BC .. n*BC+BC are zero then; with SAFE
@@ -200,7 +198,9 @@ def _decayed_rows(
             kf = tl.trans(kk * tl.exp(tl.where(cols[:, None] < (n + 1) * BCC, g_s[None, :] - Gk, 0.0)))
         else:
             kf = tl.trans(kk * tl.exp(tl.minimum(tl.where(cols[:, None] < n * BCC, g_s[None, :] - Gk, 0.0), 0.0)))
-            up, lo, u, l = _diag_factors(G_n, G_ptr, n, c0, K, BCC, BKS)
+            Gh_n = _load_tile(Gh_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
+            g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
+            up, lo, u, l = _diag_factors(G_n, Gh_n, g_mid, BCC)
             kl = tl.trans(k_n * lo)
             kh = tl.trans(k_n * l)
             same = _same_half(BCC)   # and the upper triangle, where the factors' products overflow, masked
@@ -222,14 +222,14 @@ def _decayed_rows(
 
 @triton.jit
 def _intra_rows(
-    q_ptr, k_ptr, G_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
     from ``_decayed_rows`` (its diagonal block stored apart when SAFE is false), zeros after them."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, NW)
-    a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS,
+    a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS,
                                    PREC)
     offs = rows[:, None] * BTC + cols[None, :]
     if SAFE:
@@ -250,11 +250,11 @@ def _intra_rows(
 
 @triton.jit
 def _intra(
-    q, k, G, Qg, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    q, k, G, Gh, Qg, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
-    (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (``_decayed_rows``). Row block n
+    (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (else Gh is read: ``_decayed_rows``). Row block n
     computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64 for BT = 4 BC); the rest are
     zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``)."""
     i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
@@ -263,16 +263,17 @@ def _intra(
     q_ptr = q + (i_b * T * H + i_h) * K + t0 * stride
     k_ptr = k + (i_b * T * H + i_h) * K + t0 * stride
     G_ptr = G + (i_bh * NT * BTC + t0) * K
+    Gh_ptr = Gh + (i_bh * NT * BTC + t0) * K
     out = (i_bh * NT * BTC + t0) * BTC
     out_k = (i_bh * NT * BTC + t0) * K
     if i_r == 0:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
                     BTC, BCC, BKS, PREC)
     elif i_r == 1:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
                     BTC, BCC, BKS, PREC)
     else:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
                     BTC, BCC, BKS, PREC)
 
 
@@ -560,7 +561,7 @@ def check_head_dim(K: int) -> None:
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
                         prec=None, Tinv=None):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
-    G, At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
+    G, Gh (empty for a bounded gate), At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
     this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``): the same
     kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy`` then
     reads instead of inverting again (the sequential part of the WY kernel)."""
@@ -575,19 +576,20 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     dev = q.device
     f32 = torch.float32
     G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
+    Gh = G.new_empty(0 if safe_gate else G.shape)    # the diagonal blocks' half-centred decay (unbounded gates)
     dummy = G
     _, opts = launch("gate_cumsum")
     BKS = min(opts.pop("BKS"), BK)
     _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
-                                                    dummy if dt_bias is None else dt_bias, G, T, H, K, BKS,
-                                                    gate, float(g_min), BT, **opts)
+                                                    dummy if dt_bias is None else dt_bias, G, dummy if safe_gate else Gh,
+                                                    T, H, K, BKS, gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     sd = storage_dtype(v.dtype)
     Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     _, intra_opts = launch("intra")
     BKS_I = min(intra_opts.pop("BKS"), BK)
-    _intra[(NT * (BT // BC), B * H)](q, k, G, Qg, At, P, float(scale), T, H, K, BKS_I, BT, BC, bool(safe_gate), prec,
+    _intra[(NT * (BT // BC), B * H)](q, k, G, dummy if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I, BT, BC, bool(safe_gate), prec,
                                      **intra_opts)
     load_t = Tinv is not None
     if not load_t:
@@ -598,7 +600,7 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
                      load_t, **wy_opts)
-    return dict(G=G, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
+    return dict(G=G, Gh=Gh, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
