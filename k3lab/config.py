@@ -122,6 +122,7 @@ class KernelsConfig:
     recompute_chunks: bool = False  # triton: keep only KDA's inputs and Tinv, rerun its chunk kernels (implies states)
     checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     checkpoint_experts: bool = False  # rerun the routed experts' GLUs in the backward, keep only their input
+    recompute_glu: bool = False     # dense GLU FFNs: rebuild W3's input in the backward, keep only W1 x and W2 x
     ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
 
 

@@ -1,19 +1,25 @@
-"""GLU(recompute_glu=True): the GLU keeps only W1 x and W2 x for the backward and rebuilds the elementwise
-product (W3's input) there.
+"""kernels.recompute_glu: every dense GLU FFN keeps only W1 x and W2 x for the backward and rebuilds the
+elementwise product (W3's input) there.
 
 The same numbers with and without it (bitwise, eager), what the autograd graph keeps (distinct storages
-seen by saved_tensors_hooks, eager and compiled) and one graph under torch.compile.
+seen by saved_tensors_hooks, eager and compiled), one graph under torch.compile, and the flag reaching every
+GLU the config builds while it is off by default.
 """
 import pytest
 import torch
 import torch._dynamo
+from hydra import compose, initialize_config_dir
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import k3lab.model.ffn as ffn_module
-from k3lab.config import GLUConfig
+from k3lab.config import GLUConfig, KernelsConfig, MixerConfig, ModelConfig, MoEConfig, model_config
 from k3lab.model.ffn import GLU
+from k3lab.model.k3 import K3Model
+from k3lab.model.moe import MoE
+from test_registry import ROOT
 
+VOCAB = 97
 D, HIDDEN, B, T = 64, 96, 2, 24
 GLUS = ["situ", "swiglu"]
 
@@ -142,3 +148,93 @@ def test_compiled_keeps_one_tensor_less_and_matches_eager(name, backend):
         assert sum(kept[False].values()) - sum(kept[True].values()) == size
     else:
         assert sum(kept[False].values()) - sum(kept[True].values()) >= size
+
+
+def tiny(recompute_glu: bool, name: str = "situ", moe: str = "dense", n_layers: int = 2, **overrides) -> ModelConfig:
+    return ModelConfig(n_layers=n_layers, d_model=64, head_dim=32, vocab_size=VOCAB, glu=GLUConfig(name=name),
+                       moe=MoEConfig(name=moe), kernels=KernelsConfig(recompute_glu=recompute_glu), **overrides)
+
+
+def model_step(model: K3Model, fn=None) -> list[torch.Tensor]:
+    """The summed loss of model(tokens, targets) and every parameter gradient after its backward."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, targets = torch.randint(0, VOCAB, (B, T), generator=gen), torch.randint(0, VOCAB, (B, T), generator=gen)
+    model.zero_grad(set_to_none=True)
+    out = (model if fn is None else fn)(tokens, targets)
+    out.mean.backward()
+    return [out.sum.detach()] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("moe", ["dense", "latent_norm"])
+@pytest.mark.parametrize("name", GLUS)
+def test_model_gives_bitwise_the_same_loss_and_gradients(name, moe):
+    """A 2-layer K3Model (hybrid KDA/MLA on the torch path; moe=dense, or latent_norm whose first layer is a
+    dense GLU and whose MoE has a shared expert): same init, the loss and every gradient bitwise equal."""
+    results = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = K3Model(tiny(on, name, moe))
+        assert [m.recompute_glu for m in model.modules() if isinstance(m, GLU)] == [on] * 2
+        results.append(model_step(model))
+    assert all(g is not None for g in results[0])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_compiled_model_is_one_graph_and_keeps_one_product_less_per_layer():
+    """All-MLA moe=dense model under torch.compile(fullgraph=True): one frame with aot_eager, eager's loss and
+    gradients; under Inductor's decompositions and partitioner the flag keeps exactly n_layers [B*T, hidden]
+    fp32 tensors less for the backward."""
+    cfg = dict(mixer=MixerConfig(name="mla"))
+    torch.manual_seed(0)
+    model = K3Model(tiny(True, **cfg))
+    eager = model_step(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = model_step(model, torch.compile(model, backend=counter, fullgraph=True))
+    assert counter.frame_count == 1
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    kept = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = K3Model(tiny(on, **cfg))
+        fn = torch.compile(model, backend="aot_eager_decomp_partition", fullgraph=True)
+        model_step(model, fn)
+        gen = torch.Generator().manual_seed(2)
+        tokens, targets = torch.randint(0, VOCAB, (B, T), generator=gen), torch.randint(0, VOCAB, (B, T), generator=gen)
+        out, kept[on] = kept_storages(model, lambda: fn(tokens, targets))
+        out.mean.backward()
+    hidden = model.cfg.ffn_hidden
+    assert sum(kept[False].values()) - sum(kept[True].values()) == model.cfg.n_layers * B * T * hidden * 4
+
+
+def test_off_by_default_and_builds_the_same_modules():
+    """kernels.recompute_glu is false in KernelsConfig and conf/config.yaml; with it on the model has the same
+    parameter names, shapes and initial values (the flag owns no tensor)."""
+    assert KernelsConfig().recompute_glu is False
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config")
+    assert cfg.kernels.recompute_glu is False
+    assert model_config(cfg, VOCAB).kernels.recompute_glu is False
+    states = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = K3Model(tiny(on, moe="latent_norm"))
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+@pytest.mark.parametrize("moe", ["dense", "dense_matched", "latent_norm"])
+def test_flag_reaches_every_dense_glu_from_the_config(moe):
+    """Every GLU the model builds gets the flag: the dense FFNs (moe=dense, dense_matched, the first_dense
+    layers) and the MoE's shared experts; the routed experts are not GLU modules (kernels.checkpoint_experts)."""
+    for on in (False, True):
+        model = K3Model(tiny(on, moe=moe, n_layers=3))
+        glus = [m for m in model.modules() if isinstance(m, GLU)]
+        shared = [m.shared for m in model.modules() if isinstance(m, MoE)]
+        assert len(glus) == 3 and all(g.recompute_glu is on for g in glus)
+        assert len(shared) == (2 if moe == "latent_norm" else 0) and all(s in glus for s in shared)

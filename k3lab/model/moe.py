@@ -153,13 +153,15 @@ class MoE(nn.Module):
     """Stable LatentMoE FFN: x [B, T, D] -> y [B, T, D]. See the module docstring for the options.
 
     Expert hidden width: moe.expert_hidden, or (0) the dense FFN width `ffn_hidden` / moe.top_k.
+    recompute_glu (kernels.recompute_glu) goes to the shared experts' GLU; checkpoint_experts covers the routed ones.
 
     After forward: `aux_loss` (0-dim; non-zero only for balance=aux, training mode). Once per optimizer
     step, after it: `update_bias()`. Logging: `stats()`.
     """
 
     def __init__(self, d_model: int, moe: MoEConfig, glu: GLUConfig, balance: BalanceConfig,
-                 eps: float = 1e-6, ffn_hidden: int | None = None, checkpoint_experts: bool = False):
+                 eps: float = 1e-6, ffn_hidden: int | None = None, checkpoint_experts: bool = False,
+                 recompute_glu: bool = False):
         super().__init__()
         if moe.name in ("dense", "dense_matched"):
             raise ValueError(f"moe={moe.name} is a dense GLU FFN (k3lab.model.k3.build_ffn); build GLU, not MoE")
@@ -178,7 +180,8 @@ class MoE(nn.Module):
 
         self.router = Router(d_model, self.n_experts, self.top_k, moe.router_init_std)
         self.experts = GroupedExperts(self.n_experts, self.width, self.hidden, glu)
-        self.shared = GLU(d_model, self.hidden * moe.n_shared, glu) if moe.n_shared > 0 else None
+        self.shared = (GLU(d_model, self.hidden * moe.n_shared, glu, recompute_glu=recompute_glu)
+                       if moe.n_shared > 0 else None)
         if self.latent:
             self.down = nn.Linear(d_model, self.width, bias=False)   # W_down [w, D]
             self.up = nn.Linear(self.width, d_model, bias=False)     # W_up [D, w]
