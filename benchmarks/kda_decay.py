@@ -20,7 +20,7 @@ import shlex
 
 import torch
 
-from benchmarks.step import compose_config, device_of, precision_of, training_batches
+from benchmarks.step import compose_config, device_of, precision_of, training_batches, training_step
 from k3lab.config import OptimConfig, model_config, typed
 from k3lab.model import K3Model
 from k3lab.model.kda import KDA
@@ -98,14 +98,7 @@ def main(argv=None) -> str:
             print(lines[-1], flush=True)
         if step == args.steps:
             break
-        with autocast:
-            loss = model(x, y).mean + model.aux_loss()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_biases()
+        training_step(model, opt, sched, clip, autocast, x, y)
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     return text

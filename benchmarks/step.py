@@ -194,6 +194,20 @@ def saved_tensors_table(forward, rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+def training_step(model: K3Model, opt, sched, clip: float, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of the bare loop on the batch x, y [B, T]: the loss (mean cross-entropy + router aux loss)
+    under `autocast`, backward, gradient clipping to `clip`, optimizer and LR-scheduler step, zero_grad and
+    the router-bias update, as the training module does."""
+    with autocast:
+        loss = model(x, y).mean + model.aux_loss()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    model.update_router_biases()
+
+
 def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: int = 0, saved: bool = False) -> Row:
     device = device_of(cfg)
     reset_peak(device)
@@ -210,15 +224,7 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     it = iter(batches)
 
     def step():
-        x, y = next(it)
-        with autocast:
-            loss = model(x, y).mean + model.aux_loss()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_biases()
+        training_step(model, opt, sched, clip, autocast, *next(it))
 
     seconds = timed(step, warmup, steps, device)
     if compile_mode(cfg):

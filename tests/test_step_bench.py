@@ -187,3 +187,42 @@ def test_state_mb_counts_parameters_gradients_and_optimizer_states_once():
     tied = torch.nn.Module()
     tied.a, tied.b = layer, layer
     assert state_mb(tied, opt) == state_mb(layer, opt)
+
+
+def test_saved_tensors_table_lists_each_storage_once_by_shape():
+    """benchmarks.step --saved: a linear layer's forward keeps its input and its weight (two storages,
+    one row each, under the shape of the first view saved: w.t() for the weight); another view of a
+    saved tensor is not counted again."""
+    from benchmarks.step import saved_tensors_table
+
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(5, 4, requires_grad=True)
+    text = saved_tensors_table(lambda: (x @ w.t()).sum() + (x.view(20) * 2).sum())
+    assert "in 2 storages" in text
+    assert "| [5, 4] | float32 | 1 |" in text and "| [4, 3] | float32 | 1 |" in text
+
+
+def test_kda_decay_shares_and_quantiles():
+    """benchmarks.kda_decay: D = -(g_1 + ... + g_15) per 16-token sub-block and channel; one channel
+    decaying by 10 a token in the first of four sub-blocks puts D = 150 there: that chunk and sub-block are
+    past 75, one (sub-block, channel) pair of eight, and no sub-block past 160."""
+    from benchmarks.kda_decay import decay_stats, sub_block_decay
+
+    g = torch.zeros(1, 64, 1, 2)
+    g[0, :16, 0, 1] = -10.0
+    D = sub_block_decay(g)
+    assert D.shape == (1, 1, 4, 2) and D[0, 0, 0, 1] == 150.0 and D.sum() == 150.0
+    s = decay_stats([D])
+    assert (s["chunks > 75"], s["sub-blocks > 75"], s["pairs > 75"], s["sub-blocks > 160"]) == (1.0, 0.25, 0.125, 0.0)
+    assert s["D p99"] == pytest.approx(145.5)
+
+
+def test_kda_decay_runs_on_the_cpu(corpus):
+    """The whole diagnostic on a tiny all-KDA softplus model: a row for step 0 and for each --every."""
+    from benchmarks.kda_decay import main as decay_main
+
+    text = decay_main(["data=text", f"data.path={corpus}", "model.n_layers=2", "model.d_model=64", "model.head_dim=32",
+                       "data.seq_len=64", "data.batch_size=2", "data.vocab_size=260", "data.val_tokens=256",
+                       "moe=dense", "mixer=kda", "decay=softplus", "optim=adamw", "--steps", "2", "--every", "1"])
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
