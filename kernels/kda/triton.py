@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from .triton_bwd import kda_bwd
-from .triton_fwd import BT, check_head_dim, chunk_intermediates, dot_precision, kda_fwd, prep_fwd, storage_dtype
+from .triton_fwd import (BT, check_head_dim, chunk_intermediates, dot_precision, gate_cumsum, kda_fwd, prep_fwd,
+                         storage_dtype)
 
 GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
 
@@ -44,7 +45,7 @@ def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool 
     intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and the backward reruns
     the rest of ``triton_fwd.chunk_intermediates``), then with ``fuse_prep`` the normalised q, k (qn, kn),
     beta = sigmoid(logits) and the inverse norms rq, rk (``triton_fwd.prep_fwd``)."""
-    names = ["G", "Gh", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
+    names = ["G", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
     return (["Tinv"] if recompute_chunks else names) + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
 
 
@@ -78,7 +79,7 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_g
     NT = (T + BT - 1) // BT
     Tp = NT * BT
     f32, sd, sq = torch.float32, storage_dtype(v.dtype), storage_dtype(q.dtype)
-    like = dict(G=((B, H, Tp, K), f32), Gh=((0,) if safe_gate else (B, H, Tp, K), f32), At=((B, H, Tp, BT), f32),
+    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32),
                 P=((B, H, Tp, BT), f32), Tinv=((B, H, Tp, BT), f32), W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
                 Qg=((B, H, Tp, K), sd), U=((B, T, H, V), sd), Hs=((B, H, NT, K, V), sd), Dl=((B, T, H, V), sd),
                 qn=((B, T, H, K), sq), kn=((B, T, H, K), sq), beta=((B, T, H), f32), rq=((B, T, H), f32),
@@ -106,6 +107,8 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
     if recompute_chunks:  # the forward kept its inputs and Tinv: rerun its chunk-local kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
                                    dot_precision(v.dtype), Tinv=kept["Tinv"])
+    else:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
+        kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)[1]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
         q, k, v, beta, scale, initial_state, kept, do, dht, safe_gate, dot_precision(v.dtype), gate=gate, z=g,
         A_log=A_log, dt_bias=dt_bias, g_min=g_min, prep_norms=(rq, rk) if fuse_prep else None)

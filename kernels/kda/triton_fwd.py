@@ -10,7 +10,8 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     o      scale (q * e^G) S_n + P D
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
-Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G), ``_intra`` (At and P,
+Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G, and for an unbounded gate
+Gh, below), ``_intra`` (At and P,
 16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W, and Kd = K * e^{G_last - G}), ``_state`` (the
 sequential pass over chunks, one program per (b, h, V-block), whose products take W and Kd as they are
 stored), ``_output``.
@@ -168,8 +169,8 @@ def _decayed_rows(
     """Rows n*BC .. n*BC+BC of At (a = k, j < i) and of P / scale (a = q, j <= i) over the first NW
     columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
     accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr (and
-    Gh_ptr, read when SAFE is false) point at row 0 of the chunk. SAFE (a bounded gate): one product per slice split at the sub-block's
-    middle row; else the earlier sub-blocks split at its first row and the diagonal sub-block by
+    Gh_ptr, read when SAFE is false) point at row 0 of the chunk. SAFE (a bounded gate): one product per
+    slice split at the sub-block's middle row; else the earlier sub-blocks split at its first row and the diagonal sub-block by
     ``_diag_factors`` (module docstring). Returns At's and P's rows, float32 [BC, NW], and, with SAFE false,
     their diagonal sub-blocks [BC, BC] apart (the rows' columns n*BC .. n*BC+BC are zero then; with SAFE
     true those are in the rows and the two blocks are zero).
@@ -558,13 +559,33 @@ def check_head_dim(K: int) -> None:
         raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
 
 
+def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0):
+    """The ``_gate_cumsum`` launch: G [B, H, Tp, K] float32 and Gh, the diagonal blocks' half-centred
+    clamped decay for an unbounded gate (same shape; empty for a bounded one). g: [B, T, H, K], the raw z
+    with a fused gate (``kda_fwd``'s arguments). The backward reruns it for Gh when the forward did not keep
+    it: one cheap pass over g instead of Gh's bytes kept per layer."""
+    import torch
+
+    B, T, H, K = g.shape
+    NT = triton.cdiv(T, BT)
+    G = torch.empty(B, H, NT * BT, K, device=g.device, dtype=torch.float32)
+    Gh = G.new_empty(0 if safe_gate else G.shape)
+    dummy = G
+    _, opts = launch("gate_cumsum")
+    BKS = min(opts.pop("BKS"), _pow2(K))
+    _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
+                                                    dummy if dt_bias is None else dt_bias, G, dummy if safe_gate else Gh,
+                                                    T, H, K, BKS, gate, float(g_min), BT, BC, not safe_gate, **opts)
+    return G, Gh
+
+
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
                         prec=None, Tinv=None):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
-    G, Gh (empty for a bounded gate), At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The backward reruns
-    this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``): the same
-    kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy`` then
-    reads instead of inverting again (the sequential part of the WY kernel)."""
+    G, Gh (``gate_cumsum``), At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The
+    backward reruns this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``):
+    the same kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy``
+    then reads instead of inverting again (the sequential part of the WY kernel)."""
     import torch
 
     B, T, H, K = q.shape
@@ -575,14 +596,8 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G = torch.empty(B, H, Tp, K, device=dev, dtype=f32)
-    Gh = G.new_empty(0 if safe_gate else G.shape)    # the diagonal blocks' half-centred decay (unbounded gates)
+    G, Gh = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)
     dummy = G
-    _, opts = launch("gate_cumsum")
-    BKS = min(opts.pop("BKS"), BK)
-    _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
-                                                    dummy if dt_bias is None else dt_bias, G, dummy if safe_gate else Gh,
-                                                    T, H, K, BKS, gate, float(g_min), BT, BC, not safe_gate, **opts)
     At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     sd = storage_dtype(v.dtype)
