@@ -492,10 +492,16 @@ def test_compiled_run_follows_the_eager_curve_and_its_checkpoint_loads_eagerly(c
     for name, state in states.items():
         models[name] = K3Model(model_config(cfg, vocab_size=300))
         models[name].load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
-    # training moved the weights by up to ~4e-2 (lr 1e-2, 4 steps); the two runs agree within 1e-4 (AdamW
-    # magnifies fp32 rounding on rarely seen embedding rows) and give the same loss on a batch
+    # training moved the weights by up to ~4e-2 (lr 1e-2, 4 steps). AdamW normalises each element's step, so
+    # an element whose gradient is near zero can step differently on fp32 rounding alone (one of 282,758
+    # lands 1.1e-4 apart on torch 2.13's CPU build): every weight within a tenth of one step (1e-3), at most
+    # 1% of them more than 1e-5 apart (0.14% are), and the same loss on a batch
+    far = total = 0
     for (name, a), b in zip(models["compiled"].state_dict().items(), models["eager"].state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3, msg=name)
+        far += int(((a - b).abs() > 1e-5).sum())
+        total += a.numel()
+    assert far <= 0.01 * total, (far, total)
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         losses = [m(tokens[:, :-1], tokens[:, 1:]).mean for m in models.values()]
