@@ -10,11 +10,10 @@ Notation (per batch b, head h, chunk n of BT = 64 tokens; see ``chunk_torch.py``
     o      scale (q * e^G) S_n + P D
     S_n+1  Diag(e^{G_last}) S_n + (K * e^{G_last - G})^T D
 
-Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G, and for an unbounded gate
-Gh, below), ``_intra`` (At and P,
-16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W, and Kd = K * e^{G_last - G}), ``_state`` (the
-sequential pass over chunks, one program per (b, h, V-block), whose products take W and Kd as they are
-stored), ``_output``.
+Kernels, in launch order: ``_gate_cumsum`` (optionally the decay map, then G, and Gh for an unbounded
+gate, below), ``_intra`` (At and P, 16 rows at a time), ``_wy`` (Tinv by 16x16 blocks, U, W, and
+Kd = K * e^{G_last - G}), ``_state`` (the sequential pass over chunks, one program per (b, h, V-block),
+whose products take W and Kd as they are stored), ``_output``.
 
 Decay safety. A pairwise factor e^{G_i - G_j} (i >= j) is evaluated as a product of exponentials
 inside ``tl.dot``. With safe_gate (gate bounded below, g >= -5 as in K3's sigmoid map) every 16-row
@@ -27,9 +26,9 @@ decay with every token's step clamped to at most DIAG_CLAMP = 16 nats; P's diago
 q_i . k_i. The clamp only touches a pair whose true factor is below e^-16 (a token between them decays
 by more than that), so it moves that factor by less than e^-16 = 1.1e-7, the fp32 rounding of a factor
 near 1, and keeps every exponential within e^(7 * 16 / 2) = e^56; a product of two overflows only in
-the upper triangle, which is masked before it is summed. A model
-trained with softplus has most sub-blocks far outside the sigmoid bound (``benchmarks.kda_decay``: by
-step 15 of the GPU benchmark over 90% of them decay by more than 160), so this is its common path.
+the upper triangle, which is masked before it is summed. A model trained with softplus has most
+sub-blocks far outside the sigmoid bound (``benchmarks.kda_decay``: by step 15 of the GPU benchmark over
+90% of them decay by more than 75, 85% by more than 160), so this is its common path.
 """
 from __future__ import annotations
 
@@ -170,10 +169,10 @@ def _decayed_rows(
     columns j (NW >= (n+1)*BC: the later ones are zero), where M_ij = sum_k a_ik k_jk e^{G_ik - G_jk},
     accumulated over slices of BKS key columns so that no [BT, K] tile is held. q_ptr, k_ptr, G_ptr (and
     Gh_ptr, read when SAFE is false) point at row 0 of the chunk. SAFE (a bounded gate): one product per
-    slice split at the sub-block's middle row; else the earlier sub-blocks split at its first row and the diagonal sub-block by
-    ``_diag_factors`` (module docstring). Returns At's and P's rows, float32 [BC, NW], and, with SAFE false,
-    their diagonal sub-blocks [BC, BC] apart (the rows' columns n*BC .. n*BC+BC are zero then; with SAFE
-    true those are in the rows and the two blocks are zero).
+    slice split at the sub-block's middle row; else the earlier sub-blocks split at its first row and the
+    diagonal sub-block by ``_diag_factors`` (module docstring). Returns At's and P's rows, float32
+    [BC, NW], and, with SAFE false, their diagonal sub-blocks [BC, BC] apart (the rows' columns
+    n*BC .. n*BC+BC are zero then; with SAFE true those are in the rows and the two blocks are zero).
     On the way it stores these rows of Qg = scale q e^G (row 0 at qg_ptr, row stride K), the operand of
     the inter-chunk output term and of the reverse state pass."""
     rows = n * BCC + tl.arange(0, BCC)
@@ -204,11 +203,11 @@ def _decayed_rows(
             up, lo, u, l = _diag_factors(G_n, Gh_n, g_mid, BCC)
             kl = tl.trans(k_n * lo)
             kh = tl.trans(k_n * l)
-            same = _same_half(BCC)   # and the upper triangle, where the factors' products overflow, masked
+            within = _same_half(BCC) & (r16[:, None] > r16[None, :])  # the upper triangle may overflow: masked
             A_d += tl.dot(k_n * up, kl, input_precision=PREC)
-            A_d += tl.where(same & (r16[:, None] > r16[None, :]), tl.dot(k_n * u, kh, input_precision=PREC), 0.0)
+            A_d += tl.where(within, tl.dot(k_n * u, kh, input_precision=PREC), 0.0)
             P_d += tl.dot(q_n * up, kl, input_precision=PREC)
-            P_d += tl.where(same & (r16[:, None] > r16[None, :]), tl.dot(q_n * u, kh, input_precision=PREC), 0.0)
+            P_d += tl.where(within, tl.dot(q_n * u, kh, input_precision=PREC), 0.0)
             P_d += tl.where(r16[:, None] == r16[None, :], tl.sum(q_n * k_n, axis=1)[:, None], 0.0)  # e^0 exactly
         A += tl.dot(k_n * rf, kf, input_precision=PREC)
         P += tl.dot(q_n * rf, kf, input_precision=PREC)
@@ -223,15 +222,15 @@ def _decayed_rows(
 
 @triton.jit
 def _intra_rows(
-    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr, NW: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
+    NW: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
 ):
     """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
     from ``_decayed_rows`` (its diagonal block stored apart when SAFE is false), zeros after them."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, NW)
-    a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW, BCC, BKS,
-                                   PREC)
+    a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW,
+                                   BCC, BKS, PREC)
     offs = rows[:, None] * BTC + cols[None, :]
     if SAFE:
         tl.store(At_ptr + offs, a)
@@ -255,9 +254,9 @@ def _intra(
     BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
-    (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (else Gh is read: ``_decayed_rows``). Row block n
-    computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64 for BT = 4 BC); the rest are
-    zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``)."""
+    (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (else Gh is read: ``_decayed_rows``).
+    Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64 for BT = 4 BC); the
+    rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``)."""
     i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride = H * K
@@ -268,14 +267,14 @@ def _intra(
     out = (i_bh * NT * BTC + t0) * BTC
     out_k = (i_bh * NT * BTC + t0) * K
     if i_r == 0:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE, BCC,
-                    BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE,
+                    BCC, BTC, BCC, BKS, PREC)
     elif i_r == 1:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE, 2 * BCC,
-                    BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE,
+                    2 * BCC, BTC, BCC, BKS, PREC)
     else:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE, BTC,
-                    BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE,
+                    BTC, BTC, BCC, BKS, PREC)
 
 
 @triton.jit
@@ -574,8 +573,9 @@ def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0):
     _, opts = launch("gate_cumsum")
     BKS = min(opts.pop("BKS"), _pow2(K))
     _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
-                                                    dummy if dt_bias is None else dt_bias, G, dummy if safe_gate else Gh,
-                                                    T, H, K, BKS, gate, float(g_min), BT, BC, not safe_gate, **opts)
+                                                    dummy if dt_bias is None else dt_bias, G,
+                                                    dummy if safe_gate else Gh, T, H, K, BKS, gate, float(g_min), BT,
+                                                    BC, not safe_gate, **opts)
     return G, Gh
 
 
@@ -604,8 +604,8 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
     _, intra_opts = launch("intra")
     BKS_I = min(intra_opts.pop("BKS"), BK)
-    _intra[(NT * (BT // BC), B * H)](q, k, G, dummy if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I, BT, BC, bool(safe_gate), prec,
-                                     **intra_opts)
+    _intra[(NT * (BT // BC), B * H)](q, k, G, dummy if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I,
+                                     BT, BC, bool(safe_gate), prec, **intra_opts)
     load_t = Tinv is not None
     if not load_t:
         Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
