@@ -107,7 +107,7 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
     if recompute_chunks:  # the forward kept its inputs and Tinv: rerun its chunk-local kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
                                    dot_precision(v.dtype), Tinv=kept["Tinv"])
-    else:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
+    elif not safe_gate:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
         kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)[1]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
         q, k, v, beta, scale, initial_state, kept, do, dht, safe_gate, dot_precision(v.dtype), gate=gate, z=g,

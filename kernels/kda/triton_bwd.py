@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..device import sm_count
-from .triton_fwd import (BC, BT, _chunk, _diag_factors, _load_rows, _load_tile, _pow2, _same_half, _softplus,
+from .triton_fwd import (BC, BT, _chunk, _diag_factors, _load_rows, _load_tile, _pow2, _softplus, _within_half,
                          dot_precision, launch, one_wave_block, state_pass, storage_dtype)
 
 
@@ -320,13 +320,11 @@ def _bwd_diag(
     qd = _load_tile(q + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
     kd = _load_tile(k + base_k, n * BCC, T_local, stride_k, K - c0, BCC, BKS)
     Gd = _load_tile(G_ptr + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
-    Hd = _load_tile(Gh + (i_bh * NT * BTC + t0) * K + c0, n * BCC, BTC, K, K - c0, BCC, BKS)
-    g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + cd, mask=cd < K, other=0.0)
     moff = (i_bh * NT * BTC + t0 + rows[:, None]) * BTC + rows[None, :]
     dP = tl.load(dPs + moff)    # lower triangle with its diagonal (as stored)
     dA = tl.load(dAs + moff)    # strictly lower
-    up, lo, u, l = _diag_factors(Gd, Hd, g_mid, BCC)
-    within = _same_half(BCC) & (r16[:, None] > r16[None, :])
+    up, lo, u, l = _diag_factors(Gd, G_ptr, Gh + (i_bh * NT * BTC + t0) * K, n, c0, K, BCC, BKS)
+    within = _within_half(BCC)
     hP = tl.where(within, dP, 0.0)
     hA = tl.where(within, dA, 0.0)
     dP_ii = tl.sum(tl.where(r16[:, None] == r16[None, :], dP, 0.0), axis=1)[:, None]   # E_ii = 1
@@ -451,7 +449,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     gradient of the raw input z, and dA_log [H] and ddt_bias [H * K] come along. prep_norms: the inverse
     norms (rq, rk) [B, T, H] of the fused prep (``triton_fwd.prep_fwd``), whose outputs q, k and beta
     then are: dq, dk and dbeta come back as the gradients of its inputs (raw q, k and the beta logits),
-    dq and dk in q's and k's dtype, dbeta in fp32."""
+    dq and dk in q's and k's dtype, dbeta in fp32. saved: the forward's tensors by name
+    (``triton_fwd.chunk_intermediates``; Gh only for an unbounded gate)."""
     import torch
 
     B, T, H, K = q.shape
@@ -462,7 +461,7 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Gh, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "Gh", "At", "P", "Tinv", "W", "Kd", "Qg"))
+    G, At, P, Tinv, W, Kd, Qg = (saved[n] for n in ("G", "At", "P", "Tinv", "W", "Kd", "Qg"))
     do = do.contiguous()
     dDl = torch.empty(B, T, H, V, device=dev, dtype=f32)
     _bwd_state_prep[(NT, B * H)](P, do, dDl, T, H, V, min(64, _pow2(V)), BT, prec, num_warps=8)
@@ -505,8 +504,8 @@ def kda_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, safe_gate, prec
     if not safe_gate:
         _, diag_opts = launch("bwd_diag")
         BKS_D = min(diag_opts.pop("BKS"), BK)
-        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, Gh, dPs, dAs, dq_p, dk_p, dG_p, T, H, K,
-                                                                  BKS_D, BT, BC, prec, **diag_opts)
+        _bwd_diag[(NT * (BT // BC), B * H, triton.cdiv(K, BKS_D))](q, k, G, saved["Gh"], dPs, dAs, dq_p, dk_p, dG_p,
+                                                                  T, H, K, BKS_D, BT, BC, prec, **diag_opts)
     _, k_opts = launch("bwd_local_k")
     RB = k_opts.pop("RB")
     _bwd_local_k[(NT * (BT // RB), B * H)](q, k, G, dPs, dAs, dq_p, dk_p, dG_p, dq, dk, rq, rk,

@@ -139,25 +139,30 @@ def _gate_cumsum(
 
 
 @triton.jit
-def _diag_factors(Gd, Hd, g_mid, BCC: tl.constexpr):
-    """The two splits of a diagonal sub-block for an unbounded gate over some key columns: its rows of G
-    (Gd) and of Gh (Hd, from ``_gate_cumsum``), [BC, BKS], and G at its middle row r (g_mid [BKS]).
+def _diag_factors(Gd, G_ptr, Gh_ptr, n, c0, K, BCC: tl.constexpr, BKS: tl.constexpr):
+    """The two splits of diagonal sub-block n for an unbounded gate over key columns c0 .. c0+BKS: Gd
+    [BC, BKS] its rows of G there; G_ptr, Gh_ptr the chunk's row 0 of G and of Gh (``_gate_cumsum``).
+    With r its middle row:
       pairs i >= r > j:  e^{G_i - G_j} = up_i lo_j,  up = e^{G - G_r} on rows >= r, lo = e^{G_r - G} on rows < r
                          (zero elsewhere, so the product holds exactly these pairs; both exponents <= 0);
       pairs in one half: e^{G~_i - G~_j} = u_i l_j,  u = e^{Gh}, l = e^{-Gh} (|Gh| <= 7 * DIAG_CLAMP / 2),
-                         G~ the decay with each step clamped; the caller masks the other pairs and the
-                         diagonal i = j, whose factor is 1.
+                         G~ the decay with each step clamped; the caller keeps only the pairs i > j of
+                         ``_within_half`` (the diagonal i = j has factor 1).
     Returns up, lo, u, l, each [BC, BKS] float32."""
+    cols = c0 + tl.arange(0, BKS)
+    g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + cols, mask=cols < K, other=0.0)
+    Hd = _load_tile(Gh_ptr + c0, n * BCC, n * BCC + BCC, K, K - c0, BCC, BKS)
     upper = (tl.arange(0, BCC) >= BCC // 2)[:, None]
     e = tl.exp(-tl.abs(Gd - g_mid[None, :]))
     return tl.where(upper, e, 0.0), tl.where(upper, 0.0, e), tl.exp(Hd), tl.exp(-Hd)
 
 
 @triton.jit
-def _same_half(BCC: tl.constexpr):
-    """[BC, BC] mask of the pairs (i, j) of a sub-block in the same half."""
+def _within_half(BCC: tl.constexpr):
+    """[BC, BC] mask of the pairs i > j of a sub-block in the same half (the upper triangle, where the
+    within-half factors' products may overflow, is left out)."""
     r = tl.arange(0, BCC)
-    return (r[:, None] < BCC // 2) == (r[None, :] < BCC // 2)
+    return ((r[:, None] < BCC // 2) == (r[None, :] < BCC // 2)) & (r[:, None] > r[None, :])
 
 
 @triton.jit
@@ -198,12 +203,10 @@ def _decayed_rows(
             kf = tl.trans(kk * tl.exp(tl.where(cols[:, None] < (n + 1) * BCC, g_s[None, :] - Gk, 0.0)))
         else:
             kf = tl.trans(kk * tl.exp(tl.minimum(tl.where(cols[:, None] < n * BCC, g_s[None, :] - Gk, 0.0), 0.0)))
-            Gh_n = _load_tile(Gh_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
-            g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
-            up, lo, u, l = _diag_factors(G_n, Gh_n, g_mid, BCC)
+            up, lo, u, l = _diag_factors(G_n, G_ptr, Gh_ptr, n, c0, K, BCC, BKS)
             kl = tl.trans(k_n * lo)
             kh = tl.trans(k_n * l)
-            within = _same_half(BCC) & (r16[:, None] > r16[None, :])  # the upper triangle may overflow: masked
+            within = _within_half(BCC)
             A_d += tl.dot(k_n * up, kl, input_precision=PREC)
             A_d += tl.where(within, tl.dot(k_n * u, kh, input_precision=PREC), 0.0)
             P_d += tl.dot(q_n * up, kl, input_precision=PREC)
