@@ -2,12 +2,14 @@
 
     python -m benchmarks.kda_tune [--shape 4,4096,16,128,128] [--reps 10] [--budget-s 300]
     python -m benchmarks.kda_tune --budget-s 0 --set output.BV=128 --set output.num_warps=8   # time one table
+    python -m benchmarks.kda_tune --decay softplus-fast --kernels intra,bwd_diag,bwd_local_k   # the softplus path
 
 Coordinate descent, one option at a time: for each kernel and each of its options (V-block width,
 warps, pipeline stages) every candidate value is timed with the others held, and the fastest is kept
 before moving on if it beats the current time by more than --min-gain (run-to-run spread is 1-2%).
-The time is forward+backward of ``kda_gated`` with the sigmoid map (bf16, gate, L2 norm and beta
-sigmoid in the call; median of CUDA-event timings after warm-up, as ``benchmarks.kda_bench``).
+The time is forward+backward of ``kda_gated`` with the gate case of ``--decay`` (default sigmoid; a key of
+``benchmarks.kda_bench.CASES``: softplus-fast is where a model trained with softplus sits), bf16, gate, L2
+norm and beta sigmoid in the call; median of CUDA-event timings after warm-up, as ``benchmarks.kda_bench``.
 Each new value recompiles one kernel, so the search costs a few minutes; ``--budget-s`` stops it early
 with the best table found so far. Every configuration computes the same result up to summation order.
 Prints each trial as it lands, then the tuned table and both decay maps timed with the starting and the
@@ -25,7 +27,7 @@ import time
 import torch
 from triton.runtime.errors import OutOfResources
 
-from benchmarks.kda_bench import make_inputs, run_fla, run_ours, time_ms
+from benchmarks.kda_bench import CASES, make_inputs, run_fla, run_ours, time_ms
 from kernels.kda import triton_fwd
 
 # candidate values per kernel and option (the current value is always among those tried)
@@ -45,6 +47,7 @@ GRID = {
     "output": dict(BV=[32, 64, 128], num_warps=[4, 8]),
     "gate_cumsum": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "dg_bwd": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),
+    "bwd_diag": dict(BKS=[16, 32, 64, 128], num_warps=[2, 4, 8]),  # unbounded gates only (softplus)
 }
 
 
@@ -65,17 +68,18 @@ def set_option(table: dict, item: str) -> None:
         raise ValueError(f"--set {item!r}: the value must be an integer") from None
 
 
-def fwd_bwd_ms(shape, decay, reps, run=run_ours) -> float:
-    """Forward+backward milliseconds of kda_gated under the current LAUNCH table (or of ``run``)."""
-    sets = [make_inputs(*shape, decay, "cuda", seed=s) for s in range(2)]
-    return time_ms(lambda *xs: run(*xs, decay), sets, True, reps)
+def fwd_bwd_ms(shape, case, reps, run=run_ours) -> float:
+    """Forward+backward milliseconds of kda_gated for a gate case (a key of CASES) under the current
+    LAUNCH table (or of ``run``)."""
+    sets = [make_inputs(*shape, case, "cuda", seed=s) for s in range(2)]
+    return time_ms(lambda *xs: run(*xs, CASES[case]), sets, True, reps)
 
 
-def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID)) -> dict:
-    """Coordinate descent over GRID (the given kernels only); returns the best LAUNCH table found (LAUNCH
-    is left set to it)."""
+def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID), case="sigmoid") -> dict:
+    """Coordinate descent over GRID (the given kernels only) timing gate case ``case``; returns the best
+    LAUNCH table found (LAUNCH is left set to it)."""
     start = time.monotonic()
-    best = fwd_bwd_ms(shape, "sigmoid", reps)
+    best = fwd_bwd_ms(shape, case, reps)
     print(f"start: {best:.3f} ms  {triton_fwd.LAUNCH}", flush=True)
     for kernel, options in ((name, GRID[name]) for name in kernels):
         for option, values in options.items():
@@ -88,7 +92,7 @@ def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID)) -> dict:
                     return copy.deepcopy(triton_fwd.LAUNCH)
                 triton_fwd.LAUNCH[kernel][option] = value
                 try:
-                    ms = fwd_bwd_ms(shape, "sigmoid", reps)
+                    ms = fwd_bwd_ms(shape, case, reps)
                 except OutOfResources as err:  # e.g. shared memory for this tile: the value is skipped
                     ms = float("inf")
                     print(f"  {kernel}.{option}={value}: failed ({type(err).__name__}: {str(err)[:80]})")
@@ -114,6 +118,8 @@ def main(argv=None):
                    help=f"comma-separated kernels to search (default: all of {', '.join(GRID)})")
     p.add_argument("--set", action="append", default=[], metavar="KERNEL.OPTION=VALUE",
                    help="change the starting table (repeatable), e.g. bwd_state.num_warps=4")
+    p.add_argument("--decay", default="sigmoid", choices=list(CASES),
+                   help="gate case timed by the search (benchmarks.kda_bench.CASES)")
     p.add_argument("--no-fla", action="store_true", help="do not time fla's chunk_kda")
     args = p.parse_args(argv)
     unknown = sorted(set(args.kernels) - set(GRID))
@@ -127,14 +133,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("kda_tune needs a CUDA device")
     initial = copy.deepcopy(triton_fwd.LAUNCH)
-    tuned = tune(args.shape, args.reps, args.budget_s, args.min_gain, args.kernels)
+    tuned = tune(args.shape, args.reps, args.budget_s, args.min_gain, args.kernels, args.decay)
     print("\ntuned LAUNCH = {", flush=True)
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
     with_fla = not args.no_fla and importlib.util.find_spec("fla") is not None
     print("}\n\n| decay | starting table ms | tuned table ms | speed-up | fla chunk_kda ms | tuned / fla |\n"
           "|---|---|---|---|---|---|")
-    for decay in ("sigmoid", "softplus"):
+    for decay in ("sigmoid", "softplus-fast"):
         triton_fwd.LAUNCH.clear()
         triton_fwd.LAUNCH.update(copy.deepcopy(initial))
         before = fwd_bwd_ms(args.shape, decay, args.reps)

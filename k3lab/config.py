@@ -120,6 +120,7 @@ class KernelsConfig:
     backend: str = "auto"        # auto | torch | triton | fla
     recompute_states: bool = False  # triton: recompute KDA chunk states in the backward (less memory)
     recompute_chunks: bool = False  # triton: keep only KDA's inputs and Tinv, rerun its chunk kernels (implies states)
+    keep_intra: bool = False        # triton, with recompute_chunks: keep At and P too, so the rerun skips the intra kernel
     checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     checkpoint_experts: bool = False  # rerun the routed experts' GLUs in the backward, keep only their input
     recompute_glu: bool = False     # dense GLU FFNs: rebuild W3's input in the backward, keep only W1 x and W2 x
@@ -181,6 +182,9 @@ class ModelConfig:
         check_at_least("model", self, 1, "n_layers", "head_dim")
         if self.kernels.ce_chunk < 0:
             raise ConfigError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
+        if self.kernels.keep_intra and not self.kernels.recompute_chunks:
+            raise ConfigError("kernels.keep_intra=true acts with kernels.recompute_chunks=true only (without it the "
+                              "forward keeps At and P anyway): set both, or neither")
         if self.width % self.head_dim:
             raise ConfigError(f"model width {self.width} is not a multiple of model.head_dim={self.head_dim}")
         return self

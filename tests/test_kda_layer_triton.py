@@ -17,7 +17,8 @@ LIMIT = 1e-4
 # (B, T, d_model, head_dim): 4 heads of 16, T = 70 spans a full and a ragged chunk
 SHAPE = (2, 70, 64, 16)
 VARIANTS = {"plain": dict(), "checkpoint_recompute": dict(checkpoint_kda=True, recompute_states=True),
-            "recompute_chunks": dict(recompute_chunks=True)}
+            "recompute_chunks": dict(recompute_chunks=True),
+            "recompute_chunks_keep_intra": dict(recompute_chunks=True, keep_intra=True)}
 
 
 def layer_results(decay: str, backend: str, **kernels) -> dict:
@@ -72,15 +73,16 @@ def op_inputs(gate: str, dtype, fuse_prep: bool, initial_state: bool, seed: int 
     h0 = torch.randn(B, H, K, V, generator=gen) if initial_state else None
     tensors = [x if x is None else x.to(dtype if i < 5 else torch.float32).requires_grad_()
                for i, x in enumerate((q, k, v, z, bl, A_log, dt_bias, h0))]
-    return tensors + [K ** -0.5, gate == "sigmoid", GATES[gate], -5.0, fuse_prep, False, False]
+    return tensors + [K ** -0.5, gate == "sigmoid", GATES[gate], -5.0, fuse_prep, False, False, False]
 
 
-# name: (gate, dtype, fuse_prep, initial state, (recompute_states, recompute_chunks)); fp16 keeps half-precision
-# intermediates
-OPCHECK = {"sigmoid_prep_h0": ("sigmoid", "float32", True, True, (False, False)),
-           "softplus_prep_fp16_recompute": ("softplus", "float16", True, False, (True, False)),
-           "none_h0_recompute_chunks": ("none", "float32", False, True, (True, True)),
-           "none_h0": ("none", "float32", False, True, (False, False))}
+# name: (gate, dtype, fuse_prep, initial state, (recompute_states, recompute_chunks, keep_intra)); fp16 keeps
+# half-precision intermediates
+OPCHECK = {"sigmoid_prep_h0": ("sigmoid", "float32", True, True, (False, False, False)),
+           "softplus_prep_fp16_recompute": ("softplus", "float16", True, False, (True, False, False)),
+           "none_h0_recompute_chunks": ("none", "float32", False, True, (True, True, False)),
+           "softplus_prep_keep_intra": ("softplus", "float32", True, False, (False, True, True)),
+           "none_h0": ("none", "float32", False, True, (False, False, False))}
 
 
 def _run_checks() -> dict:
@@ -98,10 +100,10 @@ def _run_checks() -> dict:
     # custom ops: schema, fake tensors (shapes, dtypes, strides), autograd registration, AOT dispatch
     for name, (gate, dtype, fuse_prep, h0, recompute) in OPCHECK.items():
         args = op_inputs(gate, getattr(torch, dtype), fuse_prep, h0)
-        args[-2:] = recompute
+        args[-3:] = recompute
         out[f"opcheck_fwd_{name}"] = torch.library.opcheck(kda_fwd_op, args)
         detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
-        q, k, v, g, beta, A_log, dt_bias, h, scale, safe, gate_id, g_min, _, _, _ = detached
+        q, k, v, g, beta, A_log, dt_bias, h, scale, safe, gate_id, g_min, _, _, _, _ = detached
         o, ht, saved = kda_fwd_op(*detached)
         gen = torch.Generator().manual_seed(2)
         do, dht = torch.randn(o.shape, generator=gen).to(o.dtype), torch.randn(ht.shape, generator=gen)
@@ -152,7 +154,7 @@ def test_layer_triton_matches_torch(results, decay, variant):
     """backend=triton against backend=torch, fp32: the output, the input's gradient and the gradient of
     every parameter (q/k/v projections and convs, f_down, f_up, b_proj, g_proj, o_norm, o_proj, A_log,
     dt_bias) within 1e-4 relative; also with kernels.checkpoint_kda and kernels.recompute_states on, and with
-    kernels.recompute_chunks."""
+    kernels.recompute_chunks, alone and with kernels.keep_intra."""
     errs = results[f"layer_{decay}_{variant}"]
     assert {"y", "x", "A_log", "dt_bias", "f_up.weight", "b_proj.weight"} <= set(errs)
     bad = {n: e for n, e in errs.items() if not e < LIMIT}

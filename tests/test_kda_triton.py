@@ -171,6 +171,17 @@ def _run_checks() -> dict:
         # the loss (o * do).sum() + (ht * dht).sum() saves the cotangents do and dht, the size of o and ht
         "cotangent_bytes": sum(x.numel() * x.element_size() for x in kept[:2]),
     }
+    # keep_intra: At and P kept beside Tinv, the rerun skips _intra (Qg from _gate_cumsum); bitwise, on the
+    # unbounded path (these inputs) and the bounded one
+    for safe in (False, True):
+        run = partial(kda_triton, safe_gate=safe, recompute_chunks=True)
+        base_bytes, base = saved_bytes(lambda: outputs_and_grads(run, inputs))
+        intra_bytes, intra = saved_bytes(lambda: outputs_and_grads(partial(run, keep_intra=True), inputs))
+        out[f"keep_intra_{'bounded' if safe else 'unbounded'}"] = {
+            "max_abs_difference": max((a - b).abs().max().item() for a, b in zip(base, intra)),
+            "saved_bytes_difference": intra_bytes - base_bytes,
+            "intra_bytes": 2 * 1 * 2 * 192 * 64 * 4,  # At and P [B, H, Tp, BT] fp32
+        }
 
     # causality: inputs at t >= P changed, outputs before P must not move (beyond rounding), on both splits
     P = 37
@@ -251,6 +262,16 @@ def test_recompute_chunks_keeps_only_the_inputs_and_tinv_and_gives_the_same_resu
     r = results["recompute_chunks"]
     assert r["max_abs_difference"] == 0.0
     assert r["saved_bytes"] == r["input_bytes"] + r["cotangent_bytes"] + r["tinv_bytes"]
+
+
+@pytest.mark.parametrize("gate", ["unbounded", "bounded"])
+def test_keep_intra_keeps_at_and_p_and_gives_the_same_results(results, gate):
+    """recompute_chunks with keep_intra: the forward keeps exactly At's and P's bytes more, and the backward,
+    whose rerun skips the intra-chunk kernel (Qg from the gate kernel instead), gives bitwise the same
+    outputs and gradients as recompute_chunks alone."""
+    r = results[f"keep_intra_{gate}"]
+    assert r["max_abs_difference"] == 0.0
+    assert r["saved_bytes_difference"] == r["intra_bytes"]
 
 
 def test_diagonal_blocks_of_an_unbounded_gate_within_the_clamp_bound(results):

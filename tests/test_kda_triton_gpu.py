@@ -115,7 +115,7 @@ def layer_run(decay, backend, recompute: dict, dtype, autocast, device="cuda"):
 @pytest.mark.parametrize("decay", ["sigmoid", "softplus"])
 def test_model_layer_same_with_triton_and_torch_backends(decay):
     """The model's KDA layer with kernels.backend=triton (all kept, states recomputed, chunk kernels
-    recomputed) against the same layer on the torch path in float64, for the output and every parameter
+    recomputed, and the same keeping At and P) against the same layer on the torch path in float64, for the output and every parameter
     gradient:
     - in fp32, within 1e-3;
     - under bf16 autocast, within twice the torch path's own bf16 error, plus 1e-3.
@@ -124,7 +124,8 @@ def test_model_layer_same_with_triton_and_torch_backends(decay):
     ~20% on either backend, so a fixed threshold between two bf16 runs cannot separate bugs from rounding."""
     ref = layer_run(decay, "torch", {}, torch.float64, autocast=False)
     torch_bf16 = layer_run(decay, "torch", {}, torch.float32, autocast=True)
-    for recompute in ({}, {"recompute_states": True}, {"recompute_chunks": True}):
+    for recompute in ({}, {"recompute_states": True}, {"recompute_chunks": True},
+                      {"recompute_chunks": True, "keep_intra": True}):
         fp32 = layer_run(decay, "triton", recompute, torch.float32, autocast=False)
         bf16 = layer_run(decay, "triton", recompute, torch.float32, autocast=True)
         for n, want in ref.items():

@@ -67,6 +67,7 @@ class KDA(nn.Module):
         self.backend = cfg.kernels.backend
         self.recompute_states = cfg.kernels.recompute_states
         self.recompute_chunks = cfg.kernels.recompute_chunks
+        self.keep_intra = cfg.kernels.keep_intra
         self.checkpoint_kda = cfg.kernels.checkpoint_kda
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
@@ -104,7 +105,7 @@ class KDA(nn.Module):
         o, _ = kda_gated(heads(self.q_conv(q)), heads(self.k_conv(k)), heads(self.v_conv(v)), heads(z), beta_logits,
                          self.A_log, self.dt_bias, decay=self.decay.name, g_min=self.decay.g_min,
                          backend=self.backend, recompute_states=self.recompute_states,
-                         recompute_chunks=self.recompute_chunks, core=kda)
+                         recompute_chunks=self.recompute_chunks, keep_intra=self.keep_intra, core=kda)
         return o
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

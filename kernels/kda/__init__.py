@@ -68,6 +68,7 @@ def kda(
     safe_gate: bool = False,
     recompute_states: bool = False,
     recompute_chunks: bool = False,
+    keep_intra: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA.
 
@@ -80,8 +81,9 @@ def kda(
     ``recompute_states=True`` makes the triton backward recompute the chunk states instead of keeping
     them from the forward (less activation memory, one more sequential pass); ``recompute_chunks=True``
     keeps only the inputs and Tinv (as fla keeps its inverse), and the backward reruns the other
-    chunk-local forward kernels too. The torch and fla backends keep their own saving policy and ignore
-    both.
+    chunk-local forward kernels too; ``keep_intra=True`` (with it) keeps the intra-chunk products At and P
+    as well, so that rerun skips the intra-chunk kernel. The torch and fla backends keep their own saving
+    policy and ignore all three.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kda backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -96,7 +98,7 @@ def kda(
     if not triton_available():
         raise ImportError(f"kda backend 'triton' is unavailable: {_TRITON_ERROR}") from _TRITON_ERROR
     return _kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate=safe_gate,
-                       recompute_states=recompute_states, recompute_chunks=recompute_chunks)
+                       recompute_states=recompute_states, recompute_chunks=recompute_chunks, keep_intra=keep_intra)
 
 
 def log_decay(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, decay: str = "sigmoid",
@@ -145,6 +147,7 @@ def kda_gated(
     backend: str = "auto",
     recompute_states: bool = False,
     recompute_chunks: bool = False,
+    keep_intra: bool = False,
     core: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA from the layer's raw tensors: q, k [B, T, H, K] (L2-normalised here when ``use_qk_l2norm``),
@@ -158,7 +161,7 @@ def kda_gated(
     entry the kernel benchmark times). "torch" and "fla" (and "auto" elsewhere) compute the same in
     PyTorch (``gated_inputs``) and call ``core`` (default :func:`kda`) as
     ``core(q, k, v, g, beta, scale=, initial_state=, output_final_state=, backend=, safe_gate=,
-    recompute_states=, recompute_chunks=)``; a caller that wraps or inspects that call passes its own.
+    recompute_states=, recompute_chunks=, keep_intra=)``; a caller that wraps or inspects that call passes its own.
     safe_gate is set for the sigmoid map with g_min >= -5, whose g is bounded below by -5.
     """
     if backend not in BACKENDS:
@@ -171,9 +174,10 @@ def kda_gated(
         return _kda_gated_triton(q, k, v, z, beta_logits, A_log, dt_bias, decay=decay, g_min=g_min, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  use_qk_l2norm=use_qk_l2norm, recompute_states=recompute_states,
-                                 recompute_chunks=recompute_chunks)
+                                 recompute_chunks=recompute_chunks, keep_intra=keep_intra)
     q, k, g, beta = gated_inputs(q, k, z, beta_logits, A_log, dt_bias, decay, g_min, use_qk_l2norm)
     safe = decay == "sigmoid" and g_min >= -5
     return (core or kda)(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, backend=backend, safe_gate=safe,
-                         recompute_states=recompute_states, recompute_chunks=recompute_chunks)
+                         recompute_states=recompute_states, recompute_chunks=recompute_chunks,
+                         keep_intra=keep_intra)

@@ -40,25 +40,30 @@ from .triton_fwd import (BT, check_head_dim, chunk_intermediates, dot_precision,
 GATES = {"none": 0, "sigmoid": 1, "softplus": 2}
 
 
-def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool = False) -> list[str]:
+def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool = False,
+                keep_intra: bool = False) -> list[str]:
     """Names of the tensors ``k3lab::kda_fwd`` returns for the backward, in order: the forward's
-    intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and the backward reruns
-    the rest of ``triton_fwd.chunk_intermediates``), then with ``fuse_prep`` the normalised q, k (qn, kn),
-    beta = sigmoid(logits) and the inverse norms rq, rk (``triton_fwd.prep_fwd``)."""
+    intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and with ``keep_intra`` At
+    and P too, and the backward reruns the rest of ``triton_fwd.chunk_intermediates``), then with
+    ``fuse_prep`` the normalised q, k (qn, kn), beta = sigmoid(logits) and the inverse norms rq, rk
+    (``triton_fwd.prep_fwd``)."""
     names = ["G", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
-    return (["Tinv"] if recompute_chunks else names) + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
+    if recompute_chunks:
+        names = ["Tinv", "At", "P"] if keep_intra else ["Tinv"]
+    return names + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None,
              dt_bias: Tensor | None, initial_state: Tensor | None, scale: float, safe_gate: bool, gate: int,
-             g_min: float, fuse_prep: bool, recompute_states: bool,
-             recompute_chunks: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+             g_min: float, fuse_prep: bool, recompute_states: bool, recompute_chunks: bool,
+             keep_intra: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
     """o [B, T, H, V] (dtype of v), the final state [B, H, K, V] float32 (always: one store per (b, h) at
     the end of the state pass; the entries drop it unless asked) and the tensors kept for the backward
     (``saved_names``). gate: a value of GATES; with a gate ``g`` holds the raw input z. With ``fuse_prep``
     q and k are raw (L2-normalised in a kernel) and ``beta`` holds the logits. Matmul precision follows v:
     exact fp32 for fp32 values, tf32 tensor cores for bf16/fp16 (``dot_precision``). recompute_chunks: keep
-    only the inputs and Tinv, as fla keeps its inverse (implies recompute_states)."""
+    only the inputs and Tinv, as fla keeps its inverse (implies recompute_states); keep_intra: with it, keep
+    At and P too, so that the backward's rerun skips the intra-chunk kernel."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     prep = []
     if fuse_prep:
@@ -67,11 +72,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Te
     o, ht, saved = kda_fwd(q, k, v, g, beta, scale, initial_state, True, safe_gate, gate=gate, A_log=A_log,
                            dt_bias=dt_bias, g_min=g_min, prec=dot_precision(v.dtype),
                            recompute_states=recompute_states or recompute_chunks)
-    return o, ht, [saved[n] for n in saved_names(False, recompute_states, recompute_chunks)] + prep
+    return o, ht, [saved[n] for n in saved_names(False, recompute_states, recompute_chunks, keep_intra)] + prep
 
 
 def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_gate, gate, g_min, fuse_prep,
-                  recompute_states, recompute_chunks):
+                  recompute_states, recompute_chunks, keep_intra):
     """Shapes, dtypes and (contiguous) strides of ``_forward``'s results, without launching anything."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -85,28 +90,28 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_g
                 qn=((B, T, H, K), sq), kn=((B, T, H, K), sq), beta=((B, T, H), f32), rq=((B, T, H), f32),
                 rk=((B, T, H), f32))
     saved = [q.new_empty(like[n][0], dtype=like[n][1])
-             for n in saved_names(fuse_prep, recompute_states, recompute_chunks)]
+             for n in saved_names(fuse_prep, recompute_states, recompute_chunks, keep_intra)]
     return v.new_empty(v.shape), v.new_empty((B, H, K, V), dtype=f32), saved
 
 
 def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Tensor | None, A_log: Tensor | None,
               dt_bias: Tensor | None, initial_state: Tensor | None, saved: list[Tensor], do: Tensor,
               dht: Tensor | None, scale: float, safe_gate: bool, gate: int, g_min: float, fuse_prep: bool,
-              recompute_states: bool, recompute_chunks: bool, q_dtype: torch.dtype, k_dtype: torch.dtype,
-              beta_dtype: torch.dtype) -> list[Tensor]:
+              recompute_states: bool, recompute_chunks: bool, keep_intra: bool, q_dtype: torch.dtype,
+              k_dtype: torch.dtype, beta_dtype: torch.dtype) -> list[Tensor]:
     """Gradients of ``_forward``'s inputs from those of o [B, T, H, V] and of the final state (dht, or None):
     [dq, dk, dv, dg, dbeta], then dA_log [H] and ddt_bias [H * K] when A_log and dt_bias are given, then
     the initial state's gradient [B, H, K, V] when there is one; each in its input's dtype (q_dtype,
     k_dtype, beta_dtype name those of q, k and beta). saved: ``_forward``'s third result. q, k and beta
     are the forward's raw inputs, or None with ``fuse_prep`` (the normalised ones are in ``saved``)."""
-    kept = dict(zip(saved_names(fuse_prep, recompute_states, recompute_chunks), saved))
+    kept = dict(zip(saved_names(fuse_prep, recompute_states, recompute_chunks, keep_intra), saved))
     if fuse_prep:
         q, k, beta = kept.pop("qn"), kept.pop("kn"), kept.pop("beta")
         rq, rk = kept.pop("rq"), kept.pop("rk")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if recompute_chunks:  # the forward kept its inputs and Tinv: rerun its chunk-local kernels on them
+    if recompute_chunks:  # the forward kept its inputs and Tinv (and At, P): rerun its chunk-local kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
-                                   dot_precision(v.dtype), Tinv=kept["Tinv"])
+                                   dot_precision(v.dtype), Tinv=kept["Tinv"], At=kept.get("At"), P=kept.get("P"))
     elif not safe_gate:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
         kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)[1]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
@@ -123,7 +128,7 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
 
 
 def _backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, saved, do, dht, scale, safe_gate, gate, g_min,
-                   fuse_prep, recompute_states, recompute_chunks, q_dtype, k_dtype, beta_dtype):
+                   fuse_prep, recompute_states, recompute_chunks, keep_intra, q_dtype, k_dtype, beta_dtype):
     """Shapes and dtypes of ``_backward``'s results (q and k have g's shape, beta v's first three dims)."""
     grads = [g.new_empty(g.shape, dtype=q_dtype), g.new_empty(g.shape, dtype=k_dtype), v.new_empty(v.shape),
              g.new_empty(g.shape), v.new_empty(v.shape[:3], dtype=beta_dtype)]
@@ -135,24 +140,24 @@ kda_fwd_op = torch.library.custom_op(
     "k3lab::kda_fwd", _forward, mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
            "Tensor? initial_state, float scale, bool safe_gate, int gate, float g_min, bool fuse_prep, "
-           "bool recompute_states, bool recompute_chunks) -> (Tensor, Tensor, Tensor[])")
+           "bool recompute_states, bool recompute_chunks, bool keep_intra) -> (Tensor, Tensor, Tensor[])")
 kda_fwd_op.register_fake(_forward_fake)
 kda_bwd_op = torch.library.custom_op(
     "k3lab::kda_bwd", _backward, mutates_args=(),
     schema="(Tensor? q, Tensor? k, Tensor v, Tensor g, Tensor? beta, Tensor? A_log, Tensor? dt_bias, "
            "Tensor? initial_state, Tensor[] saved, Tensor do, Tensor? dht, float scale, bool safe_gate, int gate, "
-           "float g_min, bool fuse_prep, bool recompute_states, bool recompute_chunks, ScalarType q_dtype, "
-           "ScalarType k_dtype, ScalarType beta_dtype) -> Tensor[]")
+           "float g_min, bool fuse_prep, bool recompute_states, bool recompute_chunks, bool keep_intra, "
+           "ScalarType q_dtype, ScalarType k_dtype, ScalarType beta_dtype) -> Tensor[]")
 kda_bwd_op.register_fake(_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, h0, scale, safe_gate, gate, g_min, fuse_prep, recompute_states, chunks = inputs
+    q, k, v, g, beta, A_log, dt_bias, h0, scale, safe_gate, gate, g_min, fuse_prep, states, chunks, intra = inputs
     saved = output[2]
     # the kept intermediates get no gradient; nor are zero gradients built for them, or for an unused output
     ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)
-    ctx.options = (scale, safe_gate, gate, g_min, fuse_prep, recompute_states, chunks, q.dtype, k.dtype, beta.dtype)
+    ctx.options = (scale, safe_gate, gate, g_min, fuse_prep, states, chunks, intra, q.dtype, k.dtype, beta.dtype)
     raw = (None, None, None) if fuse_prep else (q, k, beta)   # with fuse_prep the kernels' q, k, beta are in saved
     ctx.save_for_backward(*raw, v, g, A_log, dt_bias, h0, *saved)
 
@@ -165,41 +170,52 @@ def _autograd_backward(ctx, do, dht, _dsaved):
     dA_log = rest.pop(0) if A_log is not None else None
     ddt = rest.pop(0) if dt_bias is not None else None
     dh0 = rest.pop(0) if h0 is not None else None
-    return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None, None
+    return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None, None, None
 
 
 kda_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _check_keep_intra(recompute_chunks: bool, keep_intra: bool) -> None:
+    if keep_intra and not recompute_chunks:
+        raise ValueError("keep_intra=True needs recompute_chunks=True (without it the forward keeps At and P "
+                         "anyway)")
+
+
 def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, safe_gate=False,
-               recompute_states=False, recompute_chunks=False):
+               recompute_states=False, recompute_chunks=False, keep_intra=False):
     """Chunkwise KDA on CUDA (or under TRITON_INTERPRET=1 on CPU). Shapes as ``kernels.kda.kda``:
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] float32.
     Returns o [B, T, H, V] (dtype of v) and the float32 final state (or None). recompute_states: the
     backward recomputes the chunk states instead of keeping them (less memory, one more sequential pass;
     ``triton_fwd.kda_fwd``). recompute_chunks: the forward keeps only its inputs and Tinv, and the backward
-    reruns the other chunk-local kernels too (``triton_fwd.chunk_intermediates``; implies recompute_states)."""
+    reruns the other chunk-local kernels too (``triton_fwd.chunk_intermediates``; implies recompute_states).
+    keep_intra (with recompute_chunks): keep the intra-chunk products At and P as well (2 x [B, H, T, 64]
+    fp32), so that the rerun skips the intra-chunk kernel."""
+    _check_keep_intra(recompute_chunks, keep_intra)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:
         initial_state = initial_state.float()
     o, ht, _ = kda_fwd_op(q, k, v, g, beta, None, None, initial_state, float(scale), bool(safe_gate), GATES["none"],
-                          0.0, False, bool(recompute_states), bool(recompute_chunks))
+                          0.0, False, bool(recompute_states), bool(recompute_chunks), bool(keep_intra))
     return o, (ht if output_final_state else None)
 
 
 def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias, decay="sigmoid", g_min=-5.0, scale=None,
               initial_state=None, output_final_state=False, use_qk_l2norm=True, recompute_states=False,
-              recompute_chunks=False):
+              recompute_chunks=False, keep_intra=False):
     """KDA with the gate fused: q, k [B, T, H, K] raw (L2-normalised here when ``use_qk_l2norm``),
     v [B, T, H, V], z [B, T, H, K] the gate pre-activation, beta_logits [B, T, H], A_log [H],
     dt_bias [H * K]. Log-decay (K3 eq. 5 / Kimi Linear): sigmoid g = g_min sigmoid(exp(A_h) (z + dt_bias)),
     softplus g = -exp(A_h) softplus(z + dt_bias). decay="sigmoid" with g_min >= -5 runs the bounded
     (tensor-core) path. Returns o [B, T, H, V] (dtype of v) and the float32 final state (or None).
-    recompute_states, recompute_chunks: what the backward recomputes instead of reading (``kda_triton``)."""
+    recompute_states, recompute_chunks, keep_intra: what the backward recomputes instead of reading
+    (``kda_triton``)."""
     if decay not in ("sigmoid", "softplus"):
         raise ValueError(f"decay must be 'sigmoid' or 'softplus', got {decay!r}")
     if dt_bias is None:
         raise ValueError("kda_gated needs dt_bias [H * K] (zeros for a gate without bias)")
+    _check_keep_intra(recompute_chunks, keep_intra)
     beta = beta_logits
     if not use_qk_l2norm:  # otherwise the prep kernel normalises q, k and applies the sigmoid (fp32)
         beta = torch.sigmoid(beta_logits.float())
@@ -208,7 +224,8 @@ def kda_gated(q, k, v, z, beta_logits, A_log, dt_bias, decay="sigmoid", g_min=-5
         initial_state = initial_state.float()
     safe = decay == "sigmoid" and g_min >= -5.0
     o, ht, _ = kda_fwd_op(q, k, v, z, beta, A_log, dt_bias, initial_state, float(scale), safe, GATES[decay],
-                          float(g_min), bool(use_qk_l2norm), bool(recompute_states), bool(recompute_chunks))
+                          float(g_min), bool(use_qk_l2norm), bool(recompute_states), bool(recompute_chunks),
+                          bool(keep_intra))
     return o, (ht if output_final_state else None)
 
 

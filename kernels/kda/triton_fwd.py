@@ -101,8 +101,9 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, Gh, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    g, A_log, dt_bias, G, Gh, q, Qg, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, HALVES: tl.constexpr,
+    QG: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
@@ -110,7 +111,9 @@ def _gate_cumsum(
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
     HALVES (an unbounded gate): also Gh [B, H, Tp, K] float32, the exponent of the diagonal sub-blocks'
     split within a half (``_diag_factors``): the cumulative decay from the half's first row with each
-    step clamped at -DIAG_CLAMP, minus its middle value over the half (half its last value)."""
+    step clamped at -DIAG_CLAMP, minus its middle value over the half (half its last value).
+    QG: also Qg = scale q e^G [B, H, Tp, K] from q [B, T, H, K], as ``_decayed_rows`` stores it (same
+    operations, so the same bits), for a backward that kept At and P and so does not rerun ``_intra``."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -129,6 +132,9 @@ def _gate_cumsum(
     Gc = tl.cumsum(x, axis=0)
     base = (i_bh * NT * BTC) * K + r[:, None] * K + c[None, :]
     tl.store(G + base, Gc, mask=c[None, :] < K)
+    if QG:
+        qq = _load_tile(q + (i_b * T * H + i_h) * K + i_k * BKS, i_n * BTC, T, H * K, K - i_k * BKS, BTC, BKS)
+        tl.store(Qg + base, (qq * tl.exp(Gc) * scale).to(Qg.dtype.element_ty), mask=c[None, :] < K)
     if HALVES:
         HALF: tl.constexpr = BCC // 2
         first = (tl.arange(0, BTC) % HALF == 0)[:, None]
@@ -561,34 +567,38 @@ def check_head_dim(K: int) -> None:
         raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
 
 
-def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0):
-    """The ``_gate_cumsum`` launch: G [B, H, Tp, K] float32 and Gh, the diagonal blocks' half-centred
-    clamped decay for an unbounded gate (same shape; empty for a bounded one). g: [B, T, H, K], the raw z
-    with a fused gate (``kda_fwd``'s arguments). The backward reruns it for Gh when the forward did not keep
-    it: one cheap pass over g instead of Gh's bytes kept per layer."""
+def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0, q=None, scale=1.0, qg_dtype=None):
+    """The ``_gate_cumsum`` launch: G [B, H, Tp, K] float32, Gh, the diagonal blocks' half-centred clamped
+    decay for an unbounded gate (same shape; empty for a bounded one), and, when q is given, Qg = scale q e^G
+    [B, H, Tp, K] in qg_dtype (else empty). g: [B, T, H, K], the raw z with a fused gate (``kda_fwd``'s
+    arguments). The backward reruns it for Gh when the forward did not keep it: one cheap pass over g instead
+    of Gh's bytes kept per layer."""
     import torch
 
     B, T, H, K = g.shape
     NT = triton.cdiv(T, BT)
     G = torch.empty(B, H, NT * BT, K, device=g.device, dtype=torch.float32)
     Gh = G.new_empty(0 if safe_gate else G.shape)
+    Qg = G.new_empty(G.shape if q is not None else 0, dtype=qg_dtype or torch.float32)
     dummy = G
     _, opts = launch("gate_cumsum")
     BKS = min(opts.pop("BKS"), _pow2(K))
     _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
                                                     dummy if dt_bias is None else dt_bias, G,
-                                                    dummy if safe_gate else Gh, T, H, K, BKS, gate, float(g_min), BT,
-                                                    BC, not safe_gate, **opts)
-    return G, Gh
+                                                    dummy if safe_gate else Gh, dummy if q is None else q, Qg,
+                                                    float(scale) if q is not None else 0.0, T, H, K, BKS, gate,
+                                                    float(g_min), BT, BC, not safe_gate, q is not None, **opts)
+    return G, Gh, Qg
 
 
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
-                        prec=None, Tinv=None):
+                        prec=None, Tinv=None, At=None, P=None):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
     G, Gh (``gate_cumsum``), At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The
     backward reruns this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``):
     the same kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy``
-    then reads instead of inverting again (the sequential part of the WY kernel)."""
+    then reads instead of inverting again (the sequential part of the WY kernel). At and P (with Tinv): an
+    earlier call's too (``keep_intra``), and ``_intra`` is skipped (``_gate_cumsum`` stores Qg instead)."""
     import torch
 
     B, T, H, K = q.shape
@@ -599,16 +609,19 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     prec = prec or dot_precision(q.dtype)
     dev = q.device
     f32 = torch.float32
-    G, Gh = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)
-    dummy = G
-    At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
-    P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
     sd = storage_dtype(v.dtype)
-    Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
-    _, intra_opts = launch("intra")
-    BKS_I = min(intra_opts.pop("BKS"), BK)
-    _intra[(NT * (BT // BC), B * H)](q, k, G, dummy if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I,
-                                     BT, BC, bool(safe_gate), prec, **intra_opts)
+    kept_intra = At is not None
+    if kept_intra and (P is None or Tinv is None):
+        raise ValueError("chunk_intermediates: a kept At needs the same call's P and Tinv")
+    G, Gh, Qg = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, q if kept_intra else None, scale, sd)
+    if not kept_intra:
+        At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+        P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
+        Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
+        _, intra_opts = launch("intra")
+        BKS_I = min(intra_opts.pop("BKS"), BK)
+        _intra[(NT * (BT // BC), B * H)](q, k, G, G if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I,
+                                         BT, BC, bool(safe_gate), prec, **intra_opts)
     load_t = Tinv is not None
     if not load_t:
         Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
