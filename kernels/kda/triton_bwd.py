@@ -252,7 +252,7 @@ def _rows_da(
     if SAFE:
         g_mid = tl.load(G_ptr + (n * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < (n + 1) * BCC, g_mid[None, :] - Gall, 0.0)
-        bf = b * tl.exp(e_col)
+        bf = b.to(tl.float32) * tl.exp(e_col)
         rf = tl.exp(G_n - g_mid[None, :])
         out1 = rf * tl.dot(M1, bf, input_precision=PREC)
         out2 = rf * tl.dot(M2, bf, input_precision=PREC)
@@ -260,7 +260,7 @@ def _rows_da(
         g_first = tl.load(G_ptr + (n * BCC) * K + ck, mask=ck < K, other=0.0)
         e_col = tl.where(cols[:, None] < n * BCC, g_first[None, :] - Gall, 0.0)
         earlier = cols[None, :] < n * BCC
-        bf = b * tl.exp(tl.minimum(e_col, 0.0))
+        bf = b.to(tl.float32) * tl.exp(tl.minimum(e_col, 0.0))
         rf = tl.exp(G_n - g_first[None, :])
         out1 = rf * tl.dot(tl.where(earlier, M1, 0.0), bf, input_precision=PREC)
         out2 = rf * tl.dot(tl.where(earlier, M2, 0.0), bf, input_precision=PREC)
@@ -281,15 +281,15 @@ def _cols_db(
         g_mid = tl.load(G_ptr + (m * BCC + BCC // 2) * K + ck, mask=ck < K, other=0.0)
         e_row = tl.exp(tl.where(cols[:, None] >= m * BCC, Gall - g_mid[None, :], 0.0))
         cf = tl.exp(g_mid[None, :] - G_m)
-        out1 = cf * tl.dot(M1t, a1 * e_row, input_precision=PREC)
-        out2 = cf * tl.dot(M2t, a2 * e_row, input_precision=PREC)
+        out1 = cf * tl.dot(M1t, a1.to(tl.float32) * e_row, input_precision=PREC)
+        out2 = cf * tl.dot(M2t, a2.to(tl.float32) * e_row, input_precision=PREC)
     else:
         g_end = tl.load(G_ptr + (m * BCC + BCC - 1) * K + ck, mask=ck < K, other=0.0)
         later = cols >= (m + 1) * BCC
         e_row = tl.exp(tl.minimum(tl.where(later[:, None], Gall - g_end[None, :], 0.0), 0.0))
         cf = tl.exp(g_end[None, :] - G_m)
-        out1 = cf * tl.dot(tl.where(later[None, :], M1t, 0.0), a1 * e_row, input_precision=PREC)
-        out2 = cf * tl.dot(tl.where(later[None, :], M2t, 0.0), a2 * e_row, input_precision=PREC)
+        out1 = cf * tl.dot(tl.where(later[None, :], M1t, 0.0), a1.to(tl.float32) * e_row, input_precision=PREC)
+        out2 = cf * tl.dot(tl.where(later[None, :], M2t, 0.0), a2.to(tl.float32) * e_row, input_precision=PREC)
     return out1, out2
 
 
@@ -362,8 +362,10 @@ def _bwd_local_k(
     q_ptr = q + base_k
     k_ptr = k + base_k
     G_ptr = G + (i_bh * NT * BTC + t0) * K
-    kk = _load_tile(k_ptr, 0, T_local, stride_k, K, BTC, BK)
-    qq = _load_tile(q_ptr, 0, T_local, stride_k, K, BTC, BK)
+    # the chunk's keys and queries stay in their storage dtype (bf16 in training), converted where used:
+    # two [BT, K] fp32 tiles held across the program spilled registers
+    kk = _load_rows(k_ptr, 0, T_local, stride_k, K, BTC, BK)
+    qq = _load_rows(q_ptr, 0, T_local, stride_k, K, BTC, BK)
     Gall = _load_tile(G_ptr, 0, BTC, K, K, BTC, BK)
     ck = tl.arange(0, BK)
     cols = tl.arange(0, BTC)

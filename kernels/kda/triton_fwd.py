@@ -46,9 +46,10 @@ DIAG_CLAMP: tl.constexpr = tl.constexpr(16.0)
 # it slices K, rows per program RB where it splits a chunk's rows, warps, pipeline stages).
 # Every choice computes the same result up to float summation order (key slices add their parts in
 # another order); only speed differs. Found by `python -m benchmarks.kda_tune` on one H200 at B=4,
-# T=4096, H=16, K=V=128 (figures in benchmarks/RESULTS.md).
+# T=4096, H=16, K=V=128, and intra, bwd_diag by `--decay softplus-fast` at B=8, T=4096, H=8 (figures in
+# benchmarks/RESULTS.md).
 LAUNCH = {
-    "intra": dict(BKS=32, num_warps=4),
+    "intra": dict(BKS=32, num_warps=2),
     "wy": dict(BKS=32, num_warps=2, num_stages=3),
     "state": dict(BV=64, num_warps=4, num_stages=3),
     "output": dict(BV=64, num_warps=4),
@@ -58,7 +59,7 @@ LAUNCH = {
     "bwd_local_k": dict(RB=16, num_warps=4),
     "gate_cumsum": dict(BKS=32, num_warps=4),
     "dg_bwd": dict(BKS=32, num_warps=4),
-    "bwd_diag": dict(BKS=32, num_warps=4),
+    "bwd_diag": dict(BKS=64, num_warps=4),
 }
 
 
