@@ -2,7 +2,8 @@
 
     python -m benchmarks.kda_bench --check --profile          # the two default shapes, every gate case
     python -m benchmarks.kda_bench --reps 20 --no-torch-path --check --profile --out kda_bench.md
-    python -m benchmarks.kda_bench --decay sigmoid --shape 4,4096,16,128,128 --no-fla --recompute
+    python -m benchmarks.kda_bench --decay sigmoid --shape 4,4096,16,128,128 --no-fla --saving all --saving states
+    python -m benchmarks.kda_bench --no-fla --decay softplus-fast --saving chunks+intra --profile   # as trained
 
 For each shape and gate case (sigmoid; softplus; softplus with a fast-forgetting channel, see CASES)
 it times, in bf16 with the gate, the q/k L2 norm and the beta sigmoid folded into the call: our Triton
@@ -14,13 +15,15 @@ are timed with CUDA events: warm-up, then the median of ``--reps`` runs, cycling
 fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors of our kernel against
 the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
 breakdown (after the timing, so that kernel compilation and autotuning are done once, by the first
-timed shape's warm-up). The markdown tables (with the command, commit, date and device) go to the
+timed shape's warm-up) and the registers and spills of each of our compiled kernels. ``--saving`` picks
+what our forward keeps for the backward (SAVING; repeatable, one row each; the profile takes the first). The markdown tables (with the command, commit, date and device) go to the
 terminal, and to ``--out PATH`` only when it is given.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import math
 import platform
@@ -66,14 +69,16 @@ def make_inputs(B, T, H, K, V, case, device, dtype=torch.bfloat16, seed=0):
     return xs + [A_log.requires_grad_(), dt_bias.requires_grad_()]
 
 
-def run_ours(q, k, v, z, bl, A_log, dt_bias, decay, recompute_states=False):
+# What our forward keeps for the backward: kda_gated's keywords per --saving mode (the model's
+# kernels.recompute_states, kernels.recompute_chunks and kernels.keep_intra).
+SAVING = {"all": {}, "states": dict(recompute_states=True), "chunks": dict(recompute_chunks=True),
+          "chunks+intra": dict(recompute_chunks=True, keep_intra=True)}
+
+
+def run_ours(q, k, v, z, bl, A_log, dt_bias, decay, saving="all"):
     from kernels.kda.triton import kda_gated
 
-    return kda_gated(q, k, v, z, bl, A_log, dt_bias, decay=decay, recompute_states=recompute_states)[0]
-
-
-def run_ours_recompute(*xs):
-    return run_ours(*xs, recompute_states=True)
+    return kda_gated(q, k, v, z, bl, A_log, dt_bias, decay=decay, **SAVING[saving])[0]
 
 
 def run_torch(q, k, v, z, bl, A_log, dt_bias, decay):
@@ -211,7 +216,8 @@ def bench_kda(args):
     lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
               "| shape B,T,H,K,V | gate | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | saved MB | ours/fla fwd | ours/fla fwd+bwd |",
               "|---|---|---|---|---|---|---|---|---|"]
-    impls = [("ours (triton)", run_ours)] + ([("ours, recompute states", run_ours_recompute)] if args.recompute else [])
+    impls = [(f"ours (triton{'' if mode == 'all' else ', keeps ' + mode})",
+              functools.partial(run_ours, saving=mode)) for mode in args.saving]
     impls += [("fla chunk_kda", run_fla)] if have_fla and args.fla else []
     impls += [("torch chunkwise", run_torch), ("causal SDPA", run_sdpa)]
     for shape in args.shapes:
@@ -273,27 +279,30 @@ def main(argv=None):
                    help="skip timing the plain PyTorch chunkwise path")
     p.add_argument("--shape", dest="shapes", action="append", type=lambda s: tuple(int(x) for x in s.split(",")),
                    help="B,T,H,K,V (repeatable); default: 4,4096,16,128,128 and 1,16384,16,128,128")
-    p.add_argument("--recompute", action="store_true",
-                   help="also time ours with recompute_states (chunk states recomputed in the backward)")
+    p.add_argument("--saving", action="append", choices=list(SAVING),
+                   help="what our forward keeps for the backward (repeatable, one row each; default all): "
+                        "states = recompute_states, chunks = recompute_chunks, chunks+intra = with keep_intra")
     p.add_argument("--decay", dest="cases", action="append", choices=list(CASES),
                    help="gate case to time (repeatable); default: all (softplus-fast: see CASES)")
     args = p.parse_args(argv)
     args.shapes = args.shapes or SHAPES
     args.cases = args.cases or list(CASES)
+    args.saving = args.saving or ["all"]
     if not torch.cuda.is_available():
         raise SystemExit("the kda benchmark needs a CUDA device")
     print(f"python {platform.python_version()}", file=sys.stderr)
     bench_kda(args)
     if args.profile:
-        profile_kernels(args.shapes[0], args.fla and importlib.util.find_spec("fla") is not None)
+        profile_kernels(args.shapes[0], args.fla and importlib.util.find_spec("fla") is not None, args.saving[0])
+        print_registers()
 
 
-def profile_kernels(shape, with_fla):
-    """Per-kernel CUDA time of one forward+backward of kda_gated (and of fla's chunk_kda when
-    with_fla), for every gate case (torch profiler), so stages can be compared kernel by kernel; then the total
-    GPU kernel time of each and their ratio."""
+def profile_kernels(shape, with_fla, saving="all"):
+    """Per-kernel CUDA time of one forward+backward of kda_gated (keeping what ``saving`` says) and of fla's
+    chunk_kda when with_fla, for every gate case (torch profiler), so stages can be compared kernel by
+    kernel; then the total GPU kernel time of each and their ratio."""
     B, T, H, K, V = shape
-    impls = [("ours", run_ours)] + ([("fla", run_fla)] if with_fla else [])
+    impls = [("ours", functools.partial(run_ours, saving=saving))] + ([("fla", run_fla)] if with_fla else [])
     for case, decay in CASES.items():
         xs = make_inputs(B, T, H, K, V, case, "cuda")
         gpu_ms = {}
@@ -314,6 +323,28 @@ def profile_kernels(shape, with_fla):
         if with_fla:  # wall-clock time also counts the host's gaps between kernels; this ratio does not
             print(f"GPU kernel time of one forward+backward, {case}: ours {gpu_ms['ours']:.2f} ms, "
                   f"fla {gpu_ms['fla']:.2f} ms, ours / fla {gpu_ms['ours'] / gpu_ms['fla']:.2f}\n", flush=True)
+
+
+def print_registers():
+    """Registers per thread and spilled registers of every compiled variant of our KDA kernels (one line
+    per variant, as Triton compiled it in this process)."""
+    import triton
+
+    from kernels.kda import triton_bwd, triton_fwd
+
+    print("## registers of our compiled kernels\n\n| kernel | registers | spills | warps | stages | shared bytes |\n"
+          "|---|---|---|---|---|---|")
+    for module in (triton_fwd, triton_bwd):
+        for name, fn in sorted(vars(module).items()):
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            for cache in getattr(fn, "device_caches", {}).values():
+                for compiled in cache[0].values():
+                    compiled._init_handles()
+                    meta = compiled.metadata
+                    print(f"| {name} | {compiled.n_regs} | {compiled.n_spills} | {meta.num_warps} | {meta.num_stages} "
+                          f"| {meta.shared} |")
+    print(flush=True)
 
 
 def kernel_ms(prof) -> float:

@@ -102,9 +102,9 @@ def _softplus(x):
 
 @triton.jit
 def _gate_cumsum(
-    g, A_log, dt_bias, G, Gh, q, Qg, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
-    GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, HALVES: tl.constexpr,
-    QG: tl.constexpr,
+    g, A_log, dt_bias, G, Gh, q, Qg, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
+    BKS: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
+    HALVES: tl.constexpr, QG: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
