@@ -31,6 +31,9 @@ empty set, or none given, is the positional overrides alone). For each variant:
   weights, torch's fused AdamW, timed like the bare loop on the same batches. Variants that map to the
   same fla model share one fla row. All fla rows run before the others (a missing package fails at
   once); each of our rows then shows ours / fla tokens/s and peak memory against its variant's fla row.
+  fla autotunes its kernels in each new process (minutes for a cold softplus row on an H200); --fla turns on
+  Triton's on-disk cache of autotuning results (TRITON_CACHE_AUTOTUNING=1, unless set), so a later process
+  sharing TRITON_CACHE_DIR compiles only the configurations chosen before.
 
 One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
 parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
@@ -45,6 +48,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import shlex
 import sys
 import tempfile
@@ -433,6 +437,8 @@ def main(argv=None) -> str:
     if not paths or set(paths) - {"bare", "trainer"}:
         p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
     quiet_lightning()
+    if args.fla:  # before fla's modules build their autotuners, which read it then
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     variants = split_variants(args.variants)
     configs = [compose_config([*args.overrides, *shlex.split(v)]) for v in variants]
     first = configs[0]

@@ -99,12 +99,17 @@ def test_fla_config_follows_the_decay_and_residual_switches():
 
 def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_with_its_own(corpus, monkeypatch):
     """--fla: variants that differ only where fla's model does not (train.compile) share one fla row,
-    a decay change gets its own; the ratio columns divide each row by its variant's fla row."""
+    a decay change gets its own; the ratio columns divide each row by its variant's fla row. Triton's
+    on-disk cache of autotuning results is on by the time fla's model is built."""
+    import os
+
     import benchmarks.step as step
 
     calls = []
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
 
     def fake_fla_row(cfg, warmup, steps, variant=""):
+        assert os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"
         calls.append(variant)
         tokens_per_s = 100.0 if cfg.decay.name == "sigmoid" else 50.0
         return step.Row(variant, "fla", tokens_per_s, 2 * 16 * 1e3 / tokens_per_s, 1.0, 1.0)
