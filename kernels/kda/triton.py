@@ -113,7 +113,7 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
                                    dot_precision(v.dtype), Tinv=kept["Tinv"], At=kept.get("At"), P=kept.get("P"))
     elif not safe_gate:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
-        kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min)[1]
+        kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, store_G=False)[1]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
         q, k, v, beta, scale, initial_state, kept, do, dht, safe_gate, dot_precision(v.dtype), gate=gate, z=g,
         A_log=A_log, dt_bias=dt_bias, g_min=g_min, prep_norms=(rq, rk) if fuse_prep else None)

@@ -104,7 +104,7 @@ def _softplus(x):
 def _gate_cumsum(
     g, A_log, dt_bias, G, Gh, q, Qg, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
-    HALVES: tl.constexpr, QG: tl.constexpr,
+    HALVES: tl.constexpr, QG: tl.constexpr, STORE_G: tl.constexpr,
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
@@ -114,7 +114,8 @@ def _gate_cumsum(
     split within a half (``_diag_factors``): the cumulative decay from the half's first row with each
     step clamped at -DIAG_CLAMP, minus its middle value over the half (half its last value).
     QG: also Qg = scale q e^G [B, H, Tp, K] from q [B, T, H, K], as ``_decayed_rows`` stores it (same
-    operations, so the same bits), for a backward that kept At and P and so does not rerun ``_intra``."""
+    operations, so the same bits), for a backward that kept At and P and so does not rerun ``_intra``.
+    STORE_G false: G is not written (a backward that kept G and reruns this for Gh alone)."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BTC)
@@ -132,7 +133,8 @@ def _gate_cumsum(
     x = tl.where(valid, x, 0.0)
     Gc = tl.cumsum(x, axis=0)
     base = (i_bh * NT * BTC) * K + r[:, None] * K + c[None, :]
-    tl.store(G + base, Gc, mask=c[None, :] < K)
+    if STORE_G:
+        tl.store(G + base, Gc, mask=c[None, :] < K)
     if QG:
         qq = _load_tile(q + (i_b * T * H + i_h) * K + i_k * BKS, i_n * BTC, T, H * K, K - i_k * BKS, BTC, BKS)
         tl.store(Qg + base, (qq * tl.exp(Gc) * scale).to(Qg.dtype.element_ty), mask=c[None, :] < K)
@@ -568,27 +570,33 @@ def check_head_dim(K: int) -> None:
         raise ValueError(f"the Triton KDA kernels hold a [64, K] tile per program and support K <= 128, got K={K}")
 
 
-def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0, q=None, scale=1.0, qg_dtype=None):
-    """The ``_gate_cumsum`` launch: G [B, H, Tp, K] float32, Gh, the diagonal blocks' half-centred clamped
-    decay for an unbounded gate (same shape; empty for a bounded one), and, when q is given, Qg = scale q e^G
-    [B, H, Tp, K] in qg_dtype (else empty). g: [B, T, H, K], the raw z with a fused gate (``kda_fwd``'s
-    arguments). The backward reruns it for Gh when the forward did not keep it: one cheap pass over g instead
-    of Gh's bytes kept per layer."""
+def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0, q=None, scale=1.0, qg_dtype=None,
+                store_G=True):
+    """The ``_gate_cumsum`` launch: G [B, H, Tp, K] float32 (empty when not store_G), Gh, the diagonal
+    blocks' half-centred clamped decay for an unbounded gate (same shape; empty for a bounded one), and,
+    when q is given, Qg = scale q e^G [B, H, Tp, K] in qg_dtype (else empty). g: [B, T, H, K], the raw z with
+    a fused gate (``kda_fwd``'s arguments). The backward reruns it for Gh alone when the forward kept G but
+    not Gh: one cheap pass over g instead of Gh's bytes kept per layer."""
     import torch
 
     B, T, H, K = g.shape
     NT = triton.cdiv(T, BT)
-    G = torch.empty(B, H, NT * BT, K, device=g.device, dtype=torch.float32)
-    Gh = G.new_empty(0 if safe_gate else G.shape)
-    Qg = G.new_empty(G.shape if q is not None else 0, dtype=qg_dtype or torch.float32)
-    dummy = G
+    shape = (B, H, NT * BT, K)
+    G = torch.empty(shape if store_G else 0, device=g.device, dtype=torch.float32)
+    Gh = G.new_empty(0 if safe_gate else shape)
+    Qg = G.new_empty(shape if q is not None else 0, dtype=qg_dtype or torch.float32)
+    if not (store_G or Gh.numel()):
+        raise ValueError("gate_cumsum with store_G=False has nothing to write for a bounded gate (no Gh)")
+    dummy = G if store_G else Gh  # stands in for the tensors a launch does not touch
     _, opts = launch("gate_cumsum")
     BKS = min(opts.pop("BKS"), _pow2(K))
     _gate_cumsum[(NT, B * H, triton.cdiv(K, BKS))](g, dummy if A_log is None else A_log,
-                                                    dummy if dt_bias is None else dt_bias, G,
-                                                    dummy if safe_gate else Gh, dummy if q is None else q, Qg,
+                                                    dummy if dt_bias is None else dt_bias, G if store_G else dummy,
+                                                    dummy if safe_gate else Gh, dummy if q is None else q,
+                                                    Qg if q is not None else dummy,
                                                     float(scale) if q is not None else 0.0, T, H, K, BKS, gate,
-                                                    float(g_min), BT, BC, not safe_gate, q is not None, **opts)
+                                                    float(g_min), BT, BC, not safe_gate, q is not None, store_G,
+                                                    **opts)
     return G, Gh, Qg
 
 
