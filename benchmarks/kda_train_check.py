@@ -5,13 +5,20 @@
     python -m benchmarks.kda_train_check --variants "kernels.backend=torch,kernels.backend=triton,kernels.backend=triton" trainer.deterministic=true
     python -m benchmarks.kda_train_check trainer.deterministic=true \
         --variants "kernels.backend=torch train.compile=false,kernels.backend=triton train.compile=true"
+    python -m benchmarks.kda_train_check --variants "trainer=gpu,trainer=ddp trainer.devices=2,trainer=fsdp trainer.devices=2"
+    python -m benchmarks.kda_train_check trainer.deterministic=true \
+        --variants "trainer=gpu data.batch_size=16,trainer=ddp trainer.devices=2,trainer=fsdp trainer.devices=2"
 
 Runs ``run.py`` once per override set of ``--variants`` (sets separated by commas, the overrides of a set
 by spaces, as in ``benchmarks.step``) with the same seed, data and everything else; a set named twice
 runs twice, the second time labelled ``-2``, which with ``trainer.deterministic=true`` shows whether the
 step repeats bit for bit. Then compares the per-step training loss of each run with the first one (the
 plain PyTorch path by default) and the median step time over the steps after ``--skip`` (compilation
-and autotuning happen in the first steps). Prints a table, and writes it to ``--out PATH`` only when given.
+and autotuning happen in the first steps). Tokens per step and tokens/s are each run's own (metrics.jsonl:
+the global batch, every process counted), so runs over several GPUs compare too: the same per-GPU batch on
+1 and 2 GPUs gives the scale-out speed-up (the third example), and the 1-GPU run with the 2-GPU run's
+global batch (`--batch` is per process) the curve a data-parallel run must follow (the fourth; the
+speed-up column divides tokens/s). Prints a table, and writes it to ``--out PATH`` only when given.
 """
 from __future__ import annotations
 
@@ -32,11 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def train(variant: str, index: int, args) -> Path:
     out_dir = Path(args.out_dir)
-    cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}", *shlex.split(variant),
+    # the variant's overrides come last, so that a variant may change what the others set (its batch size)
+    cmd = [sys.executable, "run.py", f"trainer={args.trainer}", f"model={args.model}",
            f"train.max_steps={args.steps}", "train.log_every=1",
            f"train.val_every={args.steps}", "train.ckpt_every=0", f"data.seq_len={args.seq}",
            f"data.batch_size={args.batch}", f"out_dir={out_dir}", "group=kda_train", f"run_name=v{index}",
-           "overwrite=true", *args.overrides]
+           "overwrite=true", *args.overrides, *shlex.split(variant)]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -44,13 +52,16 @@ def train(variant: str, index: int, args) -> Path:
     return out_dir / "kda_train" / f"v{index}"
 
 
-def losses_step_ms_memory(run_dir: Path, tokens_per_step: int, skip: int) -> tuple[dict[int, float], float, float]:
-    """Train loss per step, the median step time in ms after ``skip`` steps, and the peak memory in MB."""
+def losses_step_ms_memory(run_dir: Path, skip: int) -> tuple[dict[int, float], float, float, int, float]:
+    """Train loss per step, the median step time in ms and tokens/s after ``skip`` steps, the tokens per
+    step (the global batch, from metrics.jsonl's tokens) and the peak memory in MB (rank 0's device)."""
     rows = [r for r in read_metrics(run_dir) if "loss/train" in r]
     loss = {r["step"]: r["loss/train"] for r in rows}
-    step_ms = [1e3 * tokens_per_step / r["speed/tokens_per_s"] for r in rows if r["step"] > skip]
+    tokens_per_step = rows[-1]["tokens"] // rows[-1]["step"]
+    speeds = [r["speed/tokens_per_s"] for r in rows if r["step"] > skip]
+    step_ms = [1e3 * tokens_per_step / v for v in speeds]
     peak_mb = json.loads((run_dir / "summary.json").read_text())["peak_memory_mb"]
-    return loss, statistics.median(step_ms), peak_mb
+    return loss, statistics.median(step_ms), statistics.median(speeds), tokens_per_step, peak_mb
 
 
 def main(argv=None) -> None:
@@ -70,21 +81,22 @@ def main(argv=None) -> None:
 
     variants = split_variants(args.variants)
     labels = [v if v not in variants[:i] else f"{v}-{variants[:i].count(v) + 1}" for i, v in enumerate(variants)]
-    tokens_per_step = args.seq * args.batch
-    results = {label: losses_step_ms_memory(train(v, i, args), tokens_per_step, args.skip)
+    results = {label: losses_step_ms_memory(train(v, i, args), args.skip)
                for i, (v, label) in enumerate(zip(variants, labels))}
     ref = labels[0]
-    ref_loss, ref_ms, _ = results[ref]
+    ref_loss, _, ref_speed, _, _ = results[ref]
     lines = [f"Loss curve and step time by variant: model={args.model}, trainer={args.trainer}, "
-             f"{args.steps} steps of {args.batch}x{args.seq} tokens, overrides {args.overrides or 'none'}.", "",
-             f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss "
-             f"| median step ms (steps > {args.skip}) | speed-up vs {ref} | peak memory MB |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{args.steps} steps of {args.batch}x{args.seq} tokens per process, overrides "
+             f"{args.overrides or 'none'}.", "",
+             f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss | tokens/step "
+             f"| median step ms (steps > {args.skip}) | median tokens/s | tokens/s vs {ref} | peak memory MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label in labels:
-        loss, ms, peak_mb = results[label]
+        loss, ms, speed, tokens_per_step, peak_mb = results[label]
         diffs = [abs(loss[s] - ref_loss[s]) for s in sorted(set(loss) & set(ref_loss))]
         lines.append(f"| {label} | {len(diffs)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
-                     f"{loss[max(loss)]:.4f} | {ms:.1f} | {ref_ms / ms:.2f}x | {peak_mb:,.0f} |")
+                     f"{loss[max(loss)]:.4f} | {tokens_per_step:,} | {ms:.1f} | {speed:,.0f} | "
+                     f"{speed / ref_speed:.2f}x | {peak_mb:,.0f} |")
     for v, label in zip(variants, labels):
         if label != v:  # a repeat: does the step repeat bit for bit?
             first, again = results[v][0], results[label][0]

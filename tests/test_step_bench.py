@@ -136,21 +136,29 @@ def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_wi
 
 def test_train_check_compares_each_variants_curve_with_the_first_and_sees_a_repeat_match(corpus, tmp_path):
     """kda_train_check on the CPU: a repeated deterministic variant matches the first bit for bit (diff 0,
-    'all logged losses bitwise equal'); a variant with another learning rate differs from it."""
+    'all logged losses bitwise equal'); a variant with another learning rate differs from it; each run's
+    tokens per step is its own global batch (a larger batch, and 2-process DDP over the same per-process
+    batch, count twice the tokens)."""
     from benchmarks.kda_train_check import main as check
 
     out = tmp_path / "check.md"
+    ddp = "train.compile=false trainer=ddp trainer.accelerator=cpu trainer.devices=2 trainer.precision=32-true"
     check(["--model", "tiny", "--trainer", "cpu", "--seq", "16", "--batch", "2", "--steps", "4", "--skip", "0",
            "--out-dir", str(tmp_path / "runs"), "--out", str(out),
-           "--variants", "train.compile=false,train.compile=false,train.compile=false optim.lr=0.05",
+           "--variants", f"train.compile=false,train.compile=false,train.compile=false optim.lr=0.05,"
+                         f"train.compile=false data.batch_size=4,{ddp}",
            "data=text", f"data.path={corpus}", "data.vocab_size=260", "data.val_tokens=256", "train.val_batches=1",
            "trainer.deterministic=true"])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.read_text().splitlines() if line.startswith("| train.compile")}
-    assert set(rows) == {"train.compile=false", "train.compile=false-2", "train.compile=false optim.lr=0.05"}
+    assert set(rows) == {"train.compile=false", "train.compile=false-2", "train.compile=false optim.lr=0.05",
+                         "train.compile=false data.batch_size=4", ddp}
     assert rows["train.compile=false"][1] == "0.0000" and rows["train.compile=false-2"][1] == "0.0000"
     assert float(rows["train.compile=false optim.lr=0.05"][1]) > 0
     assert "4 of 4 logged losses bitwise equal" in out.read_text()
+    tokens = {label: int(cells[4].replace(",", "")) for label, cells in rows.items()}
+    assert tokens == {"train.compile=false": 32, "train.compile=false-2": 32, "train.compile=false optim.lr=0.05": 32,
+                      "train.compile=false data.batch_size=4": 64, ddp: 64}
 
 
 def test_bare_loop_trains_bf16_true_in_bf16_parameters_without_autocast(corpus, monkeypatch):
