@@ -82,6 +82,7 @@ OPCHECK = {"sigmoid_prep_h0": ("sigmoid", "float32", True, True, (False, False, 
            "softplus_prep_fp16_recompute": ("softplus", "float16", True, False, (True, False, False)),
            "none_h0_recompute_chunks": ("none", "float32", False, True, (True, True, False)),
            "softplus_prep_keep_intra": ("softplus", "float32", True, False, (False, True, True)),
+           "sigmoid_prep_fp16_keep_intra": ("sigmoid", "float16", True, False, (False, True, True)),
            "none_h0": ("none", "float32", False, True, (False, False, False))}
 
 

@@ -87,7 +87,7 @@ def _run_checks() -> dict:
 
     for dtype in (torch.float16, torch.float32):
         xs = [x.to(dtype) for x in mild[:5]]
-        saved = kda_fwd(*xs, 16 ** -0.5, None, False, False, recompute_states=True)[2]
+        saved = kda_fwd(*xs, 16 ** -0.5, None, False, False, recompute_states=True, keep_intra=True)[2]
         saved.update(kda_fwd(*xs, 16 ** -0.5, None, False, False)[2])
         saved["q_normalised"] = prep_fwd(xs[0], xs[1], xs[4])[0]
         out[f"kept_dtypes_{str(dtype)[6:]}"] = {n: str(t.dtype)[6:] for n, t in saved.items()}
@@ -130,6 +130,10 @@ def _run_checks() -> dict:
         if name in HALF:  # half-precision inputs: the reverse pass takes half-precision operands
             half = run(kda_gated, torch.float16)
             out[name + "_fp16"] = {n: rel(a.double(), b) for n, a, b in zip(["o", "final_state"] + names, half, ref)}
+            # and the backward reads At and P as keep_intra keeps them, in half precision
+            kept = run(partial(kda_gated, recompute_chunks=True, keep_intra=True), torch.float16)
+            out[name + "_fp16_keep_intra"] = {n: rel(a.double(), b)
+                                              for n, a, b in zip(["o", "final_state"] + names, kept, ref)}
 
     # the launch table (V-block widths, key slices, warps, stages) changes speed only: narrow V-blocks and
     # key slices, so that V = 32 and K = 32 span two of them, give the same outputs and gradients as the
@@ -214,10 +218,11 @@ def test_matches_float64_reference(results, case):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("case", [name + "_fp16" for name in HALF])
+@pytest.mark.parametrize("case", [name + suffix for name in HALF for suffix in ("_fp16", "_fp16_keep_intra")])
 def test_half_precision_inputs_within_half_precision_error(results, case):
     """fp16 inputs (standing in for bf16, whose products the interpreter cannot run: triton-lang/triton
-    issue 11584), with the reverse state pass on half-precision operands: outputs and the q, k, v
+    issue 11584), with the reverse state pass on half-precision operands, and with recompute_chunks and
+    keep_intra, whose backward reads At and P in half precision: outputs and the q, k, v
     gradients within 2e-3 of the float64 reference (fp16 rounds at 4.9e-4); the gate, beta and
     initial-state gradients, sums over many terms that cancel, within 1e-2 (fla's test thresholds are
     likewise looser for them: 2e-2 against 5e-3 and 8e-3)."""
@@ -229,10 +234,12 @@ def test_half_precision_inputs_within_half_precision_error(results, case):
 
 
 def test_half_inputs_keep_half_intermediates(results):
-    """Half-precision inputs keep the normalised q/k, Qg, U, W, Kd, delta and the chunk states in their dtype
-    (half the memory traffic); G, Gh, At, P and Tinv stay float32; float32 inputs keep everything float32."""
+    """Half-precision inputs keep the normalised q/k, Qg, U, W, Kd, delta, the chunk states and keep_intra's
+    copies of At and P in their dtype (half the memory traffic); G, Gh, At, P and Tinv stay float32;
+    float32 inputs keep everything float32."""
     half, full = results["kept_dtypes_float16"], results["kept_dtypes_float32"]
-    assert set(half) == set(full) >= {"G", "Gh", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised"}
+    assert set(half) == set(full) >= {"G", "Gh", "At", "P", "Tinv", "U", "W", "Kd", "Hs", "Dl", "q_normalised",
+                                      "At_kept", "P_kept"}
     assert {n for n, d in half.items() if d == "float16"} == set(half) - {"G", "Gh", "At", "P", "Tinv"}
     assert all(d == "float32" for n, d in half.items() if n in ("G", "Gh", "At", "P", "Tinv"))
     assert all(d == "float32" for d in full.values())

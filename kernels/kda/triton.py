@@ -17,7 +17,8 @@ Entry points:
 Supported: any B, H and T >= 1 (ragged last chunk); K <= 128 (tested 16, 32, 64, 128; other values
 are masked to the next power of two); any V (tested 16 to 128, tiled by 64). fp32 inputs run exact
 fp32 matmuls on fp32 intermediates. bf16/fp16 inputs keep the normalised q/k, Qg, W, U, Kd, delta and the
-chunk states in their own dtype (``triton_fwd.storage_dtype``; G, At, P and Tinv stay fp32), run the
+chunk states in their own dtype (``triton_fwd.storage_dtype``; G, At, P and Tinv stay fp32, and only
+the copies of At and P that ``keep_intra`` keeps for the backward take the storage dtype), run the
 two sequential state passes on half-precision operands and the other matmuls in tf32, always with
 fp32 accumulation; the running state is fp32. The backward reads the chunk states kept by the forward.
 
@@ -44,12 +45,13 @@ def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool 
                 keep_intra: bool = False) -> list[str]:
     """Names of the tensors ``k3lab::kda_fwd`` returns for the backward, in order: the forward's
     intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and with ``keep_intra`` At
-    and P too, and the backward reruns the rest of ``triton_fwd.chunk_intermediates``), then with
+    and P too, in the storage dtype, and the backward reruns the rest of ``triton_fwd.chunk_intermediates``),
+    then with
     ``fuse_prep`` the normalised q, k (qn, kn), beta = sigmoid(logits) and the inverse norms rq, rk
     (``triton_fwd.prep_fwd``)."""
     names = ["G", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
     if recompute_chunks:
-        names = ["Tinv", "At", "P"] if keep_intra else ["Tinv"]
+        names = ["Tinv", "At_kept", "P_kept"] if keep_intra else ["Tinv"]
     return names + (["qn", "kn", "beta", "rq", "rk"] if fuse_prep else [])
 
 
@@ -71,7 +73,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Te
         prep = [q, k, beta, rq, rk]
     o, ht, saved = kda_fwd(q, k, v, g, beta, scale, initial_state, True, safe_gate, gate=gate, A_log=A_log,
                            dt_bias=dt_bias, g_min=g_min, prec=dot_precision(v.dtype),
-                           recompute_states=recompute_states or recompute_chunks)
+                           recompute_states=recompute_states or recompute_chunks,
+                           keep_intra=keep_intra and recompute_chunks)
     return o, ht, [saved[n] for n in saved_names(False, recompute_states, recompute_chunks, keep_intra)] + prep
 
 
@@ -84,8 +87,8 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_g
     NT = (T + BT - 1) // BT
     Tp = NT * BT
     f32, sd, sq = torch.float32, storage_dtype(v.dtype), storage_dtype(q.dtype)
-    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32),
-                P=((B, H, Tp, BT), f32), Tinv=((B, H, Tp, BT), f32), W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
+    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32), At_kept=((B, H, Tp, BT), sd),
+                P_kept=((B, H, Tp, BT), sd), P=((B, H, Tp, BT), f32), Tinv=((B, H, Tp, BT), f32), W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
                 Qg=((B, H, Tp, K), sd), U=((B, T, H, V), sd), Hs=((B, H, NT, K, V), sd), Dl=((B, T, H, V), sd),
                 qn=((B, T, H, K), sq), kn=((B, T, H, K), sq), beta=((B, T, H), f32), rq=((B, T, H), f32),
                 rk=((B, T, H), f32))
@@ -111,7 +114,8 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if recompute_chunks:  # the forward kept its inputs and Tinv (and At, P): rerun its chunk-local kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
-                                   dot_precision(v.dtype), Tinv=kept["Tinv"], At=kept.get("At"), P=kept.get("P"))
+                                   dot_precision(v.dtype), Tinv=kept["Tinv"], At=kept.get("At_kept"),
+                                   P=kept.get("P_kept"))
     elif not safe_gate:  # Gh, the unbounded gate's diagonal-block decay, is cheaper to rerun than to keep
         kept["Gh"] = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, store_G=False)[1]
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = kda_bwd(
@@ -191,7 +195,8 @@ def kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     ``triton_fwd.kda_fwd``). recompute_chunks: the forward keeps only its inputs and Tinv, and the backward
     reruns the other chunk-local kernels too (``triton_fwd.chunk_intermediates``; implies recompute_states).
     keep_intra (with recompute_chunks): keep the intra-chunk products At and P as well (2 x [B, H, T, 64]
-    fp32), so that the rerun skips the intra-chunk kernel."""
+    in the storage dtype: fp32 for fp32 values, else half precision, which only the backward reads), so
+    that the rerun skips the intra-chunk kernel."""
     _check_keep_intra(recompute_chunks, keep_intra)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is not None:

@@ -42,7 +42,7 @@ def _bwd_state_prep(
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride_v = H * V
     r = tl.arange(0, BTC)
-    pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]))
+    pt = tl.trans(tl.load(P + (i_bh * NT * BTC + t0) * BTC + r[:, None] * BTC + r[None, :]).to(tl.float32))
     for iv in range(tl.cdiv(V, BV)):
         base_v = (i_b * T * H + i_h) * V + t0 * stride_v + iv * BV
         cv = iv * BV + tl.arange(0, BV)
@@ -231,7 +231,7 @@ def _bwd_dA(
     Ti = tl.load(Tinv + cm_off)
     dA = -tl.dot(tl.trans(Ti), tl.dot(dT, tl.trans(Ti), input_precision=PREC), input_precision=PREC)
     dA = tl.where(r[:, None] > r[None, :], dA, 0.0)
-    db += tl.sum(dA * tl.load(At + cm_off), axis=1)
+    db += tl.sum(dA * tl.load(At + cm_off).to(tl.float32), axis=1)
     bt = tl.load(beta + i_b * T * H + i_h + (t0 + r) * H, mask=r < T_local, other=0.0).to(tl.float32)
     tl.store(dAs + cm_off, dA * bt[:, None])
     if LOGITS:

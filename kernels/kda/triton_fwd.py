@@ -233,42 +233,53 @@ def _decayed_rows(
 
 
 @triton.jit
+def _store_products(At_ptr, P_ptr, Ak_ptr, Pk_ptr, offs, a, p, mask, COPY: tl.constexpr):
+    """Store entries a of At and p of P at offs (where mask), and with COPY the same into the copies that
+    ``keep_intra`` keeps for the backward, rounded to their dtype."""
+    tl.store(At_ptr + offs, a, mask=mask)
+    tl.store(P_ptr + offs, p, mask=mask)
+    if COPY:
+        tl.store(Ak_ptr + offs, a.to(Ak_ptr.dtype.element_ty), mask=mask)
+        tl.store(Pk_ptr + offs, p.to(Pk_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _intra_rows(
-    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, At_ptr, P_ptr, scale, n, T_local, stride, K, SAFE: tl.constexpr,
-    NW: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr, BKS: tl.constexpr, PREC: tl.constexpr,
+    q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, At_ptr, P_ptr, Ak_ptr, Pk_ptr, scale, n, T_local, stride, K,
+    SAFE: tl.constexpr, COPY: tl.constexpr, NW: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
+    BKS: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT): the first NW columns
-    from ``_decayed_rows`` (its diagonal block stored apart when SAFE is false), zeros after them."""
+    """Row block n of one chunk's At and P (row 0 at At_ptr, P_ptr; row stride BT; with COPY also at
+    Ak_ptr, Pk_ptr in their dtype): the first NW columns from ``_decayed_rows`` (its diagonal block stored
+    apart when SAFE is false), zeros after them."""
     rows = n * BCC + tl.arange(0, BCC)
     cols = tl.arange(0, NW)
     a, p, a_d, p_d = _decayed_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, qg_ptr, scale, n, T_local, stride, K, SAFE, NW,
                                    BCC, BKS, PREC)
     offs = rows[:, None] * BTC + cols[None, :]
     if SAFE:
-        tl.store(At_ptr + offs, a)
-        tl.store(P_ptr + offs, p * scale)
+        _store_products(At_ptr, P_ptr, Ak_ptr, Pk_ptr, offs, a, p * scale, None, COPY)
     else:  # two disjoint stores: the diagonal block's columns come from a_d, p_d
         off_diag = (cols[None, :] < n * BCC) | (cols[None, :] >= n * BCC + BCC)
-        tl.store(At_ptr + offs, a, mask=off_diag)
-        tl.store(P_ptr + offs, p * scale, mask=off_diag)
+        _store_products(At_ptr, P_ptr, Ak_ptr, Pk_ptr, offs, a, p * scale, off_diag, COPY)
         doffs = rows[:, None] * BTC + rows[None, :]
-        tl.store(At_ptr + doffs, a_d)
-        tl.store(P_ptr + doffs, p_d * scale)
+        _store_products(At_ptr, P_ptr, Ak_ptr, Pk_ptr, doffs, a_d, p_d * scale, None, COPY)
     for m in tl.static_range(NW // BCC, BTC // BCC):
         zoffs = rows[:, None] * BTC + m * BCC + tl.arange(0, BCC)[None, :]
-        tl.store(At_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
-        tl.store(P_ptr + zoffs, tl.zeros([BCC, BCC], dtype=tl.float32))
+        zero = tl.zeros([BCC, BCC], dtype=tl.float32)
+        _store_products(At_ptr, P_ptr, Ak_ptr, Pk_ptr, zoffs, zero, zero, None, COPY)
 
 
 @triton.jit
 def _intra(
-    q, k, G, Gh, Qg, At, P, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
-    BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr,
+    q, k, G, Gh, Qg, At, P, Ak, Pk, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr, BKS: tl.constexpr,
+    BTC: tl.constexpr, BCC: tl.constexpr, SAFE: tl.constexpr, COPY: tl.constexpr, PREC: tl.constexpr,
 ):
     """At and P (see module docstring) into [B, H, Tp, BT], one 16-row block of one chunk per program
     (program axis 0: chunk * BT / BC + block); SAFE: the gate is bounded (else Gh is read: ``_decayed_rows``).
     Row block n computes only the first next_pow2((n + 1) * BC) columns (16, 32, 64, 64 for BT = 4 BC); the
-    rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``)."""
+    rest are zero. Also stores the block's rows of Qg = scale q e^G [B, H, Tp, K] (``_decayed_rows``), and
+    with COPY those of At and P into Ak and Pk, in their (half-precision) dtype, for ``keep_intra``."""
     i_n, i_r, i_bh = tl.program_id(0) // (BTC // BCC), tl.program_id(0) % (BTC // BCC), tl.program_id(1)
     i_b, i_h, NT, t0, T_local = _chunk(i_n, i_bh, T, H, BTC)
     stride = H * K
@@ -279,14 +290,14 @@ def _intra(
     out = (i_bh * NT * BTC + t0) * BTC
     out_k = (i_bh * NT * BTC + t0) * K
     if i_r == 0:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 0, T_local, stride, K, SAFE,
-                    BCC, BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, Ak + out, Pk + out, scale, 0,
+                    T_local, stride, K, SAFE, COPY, BCC, BTC, BCC, BKS, PREC)
     elif i_r == 1:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, 1, T_local, stride, K, SAFE,
-                    2 * BCC, BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, Ak + out, Pk + out, scale, 1,
+                    T_local, stride, K, SAFE, COPY, 2 * BCC, BTC, BCC, BKS, PREC)
     else:
-        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, scale, i_r, T_local, stride, K, SAFE,
-                    BTC, BTC, BCC, BKS, PREC)
+        _intra_rows(q_ptr, k_ptr, G_ptr, Gh_ptr, Qg + out_k, At + out, P + out, Ak + out, Pk + out, scale, i_r,
+                    T_local, stride, K, SAFE, COPY, BTC, BTC, BCC, BKS, PREC)
 
 
 @triton.jit
@@ -601,13 +612,16 @@ def gate_cumsum(g, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0, q=No
 
 
 def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, dt_bias=None, g_min=-5.0,
-                        prec=None, Tinv=None, At=None, P=None):
+                        prec=None, Tinv=None, At=None, P=None, keep_intra=False):
     """The chunk-local forward kernels (gate cumsum, intra-chunk products, WY transform), which need no state:
     G, Gh (``gate_cumsum``), At, P, Qg, Tinv, W, Kd and U by name. Shapes and arguments as ``kda_fwd``. The
     backward reruns this on the kept inputs when the forward kept only those and Tinv (``recompute_chunks``):
     the same kernels on the same inputs, so bitwise the same tensors. Tinv: an earlier call's, which ``_wy``
     then reads instead of inverting again (the sequential part of the WY kernel). At and P (with Tinv): an
-    earlier call's too (``keep_intra``), and ``_intra`` is skipped (``_gate_cumsum`` stores Qg instead)."""
+    earlier call's too, in the storage dtype, and ``_intra`` is skipped (``_gate_cumsum`` stores Qg instead).
+    keep_intra: also At_kept and P_kept, what the backward keeps of At and P: the fp32 tensors themselves for
+    fp32 values, else copies in the storage dtype that ``_intra`` writes beside them (half the bytes; only
+    the backward reads them)."""
     import torch
 
     B, T, H, K = q.shape
@@ -623,14 +637,20 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     if kept_intra and (P is None or Tinv is None):
         raise ValueError("chunk_intermediates: a kept At needs the same call's P and Tinv")
     G, Gh, Qg = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, q if kept_intra else None, scale, sd)
+    copies = {}
     if not kept_intra:
         At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
+        copy = keep_intra and sd != f32
+        copies = dict(At_kept=torch.empty_like(At, dtype=sd), P_kept=torch.empty_like(P, dtype=sd)) if copy else {}
         _, intra_opts = launch("intra")
         BKS_I = min(intra_opts.pop("BKS"), BK)
-        _intra[(NT * (BT // BC), B * H)](q, k, G, G if safe_gate else Gh, Qg, At, P, float(scale), T, H, K, BKS_I,
-                                         BT, BC, bool(safe_gate), prec, **intra_opts)
+        _intra[(NT * (BT // BC), B * H)](q, k, G, G if safe_gate else Gh, Qg, At, P, copies.get("At_kept", At),
+                                         copies.get("P_kept", P), float(scale), T, H, K, BKS_I, BT, BC,
+                                         bool(safe_gate), copy, prec, **intra_opts)
+        if keep_intra and not copy:
+            copies = dict(At_kept=At, P_kept=P)
     load_t = Tinv is not None
     if not load_t:
         Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
@@ -640,23 +660,25 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
                      load_t, **wy_opts)
-    return dict(G=G, Gh=Gh, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U)
+    return dict(G=G, Gh=Gh, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U, **copies)
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
-            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False):
+            gate=0, A_log=None, dt_bias=None, g_min=-5.0, prec=None, recompute_states=False, keep_intra=False):
     """Launch the forward kernels. q, k, g: [B, T, H, K] contiguous; v: [B, T, H, V]; beta: [B, T, H].
     gate: 0 = g is the log-decay, 1 = sigmoid map, 2 = softplus map (g holds the raw z).
     prec: tl.dot input precision ("ieee" or "tf32"; default from the dtype of q).
     recompute_states: keep U [B, T, H, V] for the backward instead of the chunk states Hs
     [B, H, NT, K, V] and delta [B, T, H, V], which the backward then recomputes with one more ``_state``
     pass (saves K / 64 times delta's size: 134 MB per call at B=4, T=4096, H=16, K=V=128 in bf16).
+    keep_intra: also At_kept and P_kept (``chunk_intermediates``).
     Returns o [B, T, H, V], the final state or None, and the tensors the backward needs."""
     import torch
 
     check_head_dim(q.shape[-1])
     prec = prec or dot_precision(q.dtype)
-    saved = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min, prec)
+    saved = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min, prec,
+                                keep_intra=keep_intra)
     B, T, H, K = q.shape
     V = v.shape[-1]
     h0 = initial_state.contiguous() if initial_state is not None else None
