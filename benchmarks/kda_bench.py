@@ -16,8 +16,9 @@ fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors
 the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
 breakdown (after the timing, so that kernel compilation and autotuning are done once, by the first
 timed shape's warm-up) and the registers and spills of each of our compiled kernels. ``--saving`` picks
-what our forward keeps for the backward (SAVING; repeatable, one row each; the profile takes the first). The markdown tables (with the command, commit, date and device) go to the
-terminal, and to ``--out PATH`` only when it is given.
+what our forward keeps for the backward (SAVING; repeatable, one row each; the profile takes the first).
+The markdown tables (with the command, commit, date and device) go to the terminal, and to ``--out PATH``
+only when it is given.
 """
 from __future__ import annotations
 

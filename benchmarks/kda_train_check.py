@@ -5,7 +5,8 @@
     python -m benchmarks.kda_train_check --variants "kernels.backend=torch,kernels.backend=triton,kernels.backend=triton" trainer.deterministic=true
     python -m benchmarks.kda_train_check trainer.deterministic=true \
         --variants "kernels.backend=torch train.compile=false,kernels.backend=triton train.compile=true"
-    python -m benchmarks.kda_train_check --variants "trainer=gpu,trainer=ddp trainer.devices=2,trainer=fsdp trainer.devices=2"
+    python -m benchmarks.kda_train_check \
+        --variants "trainer=gpu,trainer=ddp trainer.devices=2,trainer=fsdp trainer.devices=2"
     python -m benchmarks.kda_train_check trainer.deterministic=true \
         --variants "trainer=gpu data.batch_size=16,trainer=ddp trainer.devices=2,trainer=fsdp trainer.devices=2"
 

@@ -46,8 +46,7 @@ def saved_names(fuse_prep: bool, recompute_states: bool, recompute_chunks: bool 
     """Names of the tensors ``k3lab::kda_fwd`` returns for the backward, in order: the forward's
     intermediates (``triton_fwd.kda_fwd``; with ``recompute_chunks`` only Tinv, and with ``keep_intra`` At
     and P too, in the storage dtype, and the backward reruns the rest of ``triton_fwd.chunk_intermediates``),
-    then with
-    ``fuse_prep`` the normalised q, k (qn, kn), beta = sigmoid(logits) and the inverse norms rq, rk
+    then with ``fuse_prep`` the normalised q, k (qn, kn), beta = sigmoid(logits) and the inverse norms rq, rk
     (``triton_fwd.prep_fwd``)."""
     names = ["G", "At", "P", "Tinv", "W", "Kd", "Qg"] + (["U"] if recompute_states else ["Hs", "Dl"])
     if recompute_chunks:
@@ -87,8 +86,9 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, safe_g
     NT = (T + BT - 1) // BT
     Tp = NT * BT
     f32, sd, sq = torch.float32, storage_dtype(v.dtype), storage_dtype(q.dtype)
-    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32), At_kept=((B, H, Tp, BT), sd),
-                P_kept=((B, H, Tp, BT), sd), P=((B, H, Tp, BT), f32), Tinv=((B, H, Tp, BT), f32), W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
+    like = dict(G=((B, H, Tp, K), f32), At=((B, H, Tp, BT), f32), P=((B, H, Tp, BT), f32),
+                At_kept=((B, H, Tp, BT), sd), P_kept=((B, H, Tp, BT), sd), Tinv=((B, H, Tp, BT), f32),
+                W=((B, H, Tp, K), sd), Kd=((B, H, Tp, K), sd),
                 Qg=((B, H, Tp, K), sd), U=((B, T, H, V), sd), Hs=((B, H, NT, K, V), sd), Dl=((B, T, H, V), sd),
                 qn=((B, T, H, K), sq), kn=((B, T, H, K), sq), beta=((B, T, H), f32), rq=((B, T, H), f32),
                 rk=((B, T, H), f32))
@@ -112,7 +112,7 @@ def _backward(q: Tensor | None, k: Tensor | None, v: Tensor, g: Tensor, beta: Te
         q, k, beta = kept.pop("qn"), kept.pop("kn"), kept.pop("beta")
         rq, rk = kept.pop("rq"), kept.pop("rk")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if recompute_chunks:  # the forward kept its inputs and Tinv (and At, P): rerun its chunk-local kernels on them
+    if recompute_chunks:  # the forward kept its inputs and Tinv (and At, P): rerun its chunk kernels on them
         kept = chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate, A_log, dt_bias, g_min,
                                    dot_precision(v.dtype), Tinv=kept["Tinv"], At=kept.get("At_kept"),
                                    P=kept.get("P_kept"))

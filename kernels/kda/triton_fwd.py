@@ -101,6 +101,13 @@ def _softplus(x):
 
 
 @triton.jit
+def _decayed_queries(q, G, scale):
+    """Qg = scale q e^G, float32 (the one formula for it: ``_decayed_rows`` and ``_gate_cumsum`` both
+    store it, and a backward that reads one in place of the other relies on their bits being the same)."""
+    return q * tl.exp(G) * scale
+
+
+@triton.jit
 def _gate_cumsum(
     g, A_log, dt_bias, G, Gh, q, Qg, scale: tl.constexpr, T, H: tl.constexpr, K: tl.constexpr,
     BKS: tl.constexpr, GATE: tl.constexpr, G_MIN: tl.constexpr, BTC: tl.constexpr, BCC: tl.constexpr,
@@ -108,13 +115,14 @@ def _gate_cumsum(
 ):
     """G[b, h, n*BT + t] = cumsum within the chunk of the log-decay, per chunk and slice of BKS key
     columns (program axis 2; the columns are independent). GATE: 0 = g given, 1 = sigmoid map
-    g = G_MIN * sigmoid(exp(A_log[h]) * (z + dt_bias[h, :])), 2 = softplus map g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
+    g = G_MIN * sigmoid(exp(A_log[h]) * (z + dt_bias[h, :])), 2 = softplus map
+    g = -exp(A_log[h]) softplus(z + dt_bias[h, :]).
     g: [B, T, H, K] (raw z when GATE > 0); G: [B, H, Tp, K] float32, Tp = NT * BT (padded rows hold g = 0).
     HALVES (an unbounded gate): also Gh [B, H, Tp, K] float32, the exponent of the diagonal sub-blocks'
     split within a half (``_diag_factors``): the cumulative decay from the half's first row with each
     step clamped at -DIAG_CLAMP, minus its middle value over the half (half its last value).
-    QG: also Qg = scale q e^G [B, H, Tp, K] from q [B, T, H, K], as ``_decayed_rows`` stores it (same
-    operations, so the same bits), for a backward that kept At and P and so does not rerun ``_intra``.
+    QG: also Qg = scale q e^G [B, H, Tp, K] from q [B, T, H, K] (``_decayed_queries``, as ``_decayed_rows``
+    stores it), for a backward that kept At and P and so does not rerun ``_intra``.
     STORE_G false: G is not written (a backward that kept G and reruns this for Gh alone)."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -137,7 +145,7 @@ def _gate_cumsum(
         tl.store(G + base, Gc, mask=c[None, :] < K)
     if QG:
         qq = _load_tile(q + (i_b * T * H + i_h) * K + i_k * BKS, i_n * BTC, T, H * K, K - i_k * BKS, BTC, BKS)
-        tl.store(Qg + base, (qq * tl.exp(Gc) * scale).to(Qg.dtype.element_ty), mask=c[None, :] < K)
+        tl.store(Qg + base, _decayed_queries(qq, Gc, scale).to(Qg.dtype.element_ty), mask=c[None, :] < K)
     if HALVES:
         HALF: tl.constexpr = BCC // 2
         first = (tl.arange(0, BTC) % HALF == 0)[:, None]
@@ -203,7 +211,7 @@ def _decayed_rows(
         G_n = _load_tile(G_ptr + c0, n * BCC, n * BCC + BCC, K, nk, BCC, BKS)
         k_n = _load_tile(k_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
         q_n = _load_tile(q_ptr + c0, n * BCC, T_local, stride, nk, BCC, BKS)
-        _store_rows(qg_ptr + c0, n, n * BCC + BCC, K, nk, q_n * tl.exp(G_n) * scale, BCC, BKS)
+        _store_rows(qg_ptr + c0, n, n * BCC + BCC, K, nk, _decayed_queries(q_n, G_n, scale), BCC, BKS)
         kk = _load_tile(k_ptr + c0, 0, T_local, stride, nk, NW, BKS)
         Gk = _load_tile(G_ptr + c0, 0, NW, K, nk, NW, BKS)
         g_s = tl.load(G_ptr + split * K + ck, mask=ck < K, other=0.0)
@@ -633,24 +641,22 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     dev = q.device
     f32 = torch.float32
     sd = storage_dtype(v.dtype)
-    kept_intra = At is not None
-    if kept_intra and (P is None or Tinv is None):
+    given_intra = At is not None
+    if given_intra and (P is None or Tinv is None):
         raise ValueError("chunk_intermediates: a kept At needs the same call's P and Tinv")
-    G, Gh, Qg = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, q if kept_intra else None, scale, sd)
-    copies = {}
-    if not kept_intra:
+    G, Gh, Qg = gate_cumsum(g, safe_gate, gate, A_log, dt_bias, g_min, q if given_intra else None, scale, sd)
+    kept = {}
+    if not given_intra:
         At = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         P = torch.empty(B, H, Tp, BT, device=dev, dtype=f32)
         Qg = torch.empty(B, H, Tp, K, device=dev, dtype=sd)
-        copy = keep_intra and sd != f32
-        copies = dict(At_kept=torch.empty_like(At, dtype=sd), P_kept=torch.empty_like(P, dtype=sd)) if copy else {}
+        copy = keep_intra and sd != f32   # fp32 values keep the products themselves
+        At_kept, P_kept = (torch.empty_like(At, dtype=sd), torch.empty_like(P, dtype=sd)) if copy else (At, P)
         _, intra_opts = launch("intra")
         BKS_I = min(intra_opts.pop("BKS"), BK)
-        _intra[(NT * (BT // BC), B * H)](q, k, G, G if safe_gate else Gh, Qg, At, P, copies.get("At_kept", At),
-                                         copies.get("P_kept", P), float(scale), T, H, K, BKS_I, BT, BC,
-                                         bool(safe_gate), copy, prec, **intra_opts)
-        if keep_intra and not copy:
-            copies = dict(At_kept=At, P_kept=P)
+        _intra[(NT * (BT // BC), B * H)](q, k, G, G if safe_gate else Gh, Qg, At, P, At_kept, P_kept, float(scale),
+                                         T, H, K, BKS_I, BT, BC, bool(safe_gate), copy, prec, **intra_opts)
+        kept = dict(At_kept=At_kept, P_kept=P_kept) if keep_intra else {}
     load_t = Tinv is not None
     if not load_t:
         Tinv = torch.zeros(B, H, Tp, BT, device=dev, dtype=f32)
@@ -660,7 +666,7 @@ def chunk_intermediates(q, k, v, g, beta, scale, safe_gate, gate=0, A_log=None, 
     _, wy_opts = launch("wy")
     _wy[(NT, B * H)](k, v, beta, G, At, Tinv, U, W, Kd, T, H, K, V, min(wy_opts.pop("BKS"), BK), BV, BT, BC, prec,
                      load_t, **wy_opts)
-    return dict(G=G, Gh=Gh, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U, **copies)
+    return dict(G=G, Gh=Gh, At=At, P=P, Tinv=Tinv, W=W, Kd=Kd, Qg=Qg, U=U, **kept)
 
 
 def kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, safe_gate,
