@@ -399,16 +399,16 @@ def tune_mix(args, device) -> None:
         scales = [attnres.inv_rms(v, 1e-6) for v in values]
         query = torch.randn(D, generator=gen, device=device) * 0.5
         g_h = torch.randn(1, N, D, generator=gen, device=device).to(torch.bfloat16)
-        _, alpha = fused.mix_forward(values, scales, query)
+        _, logits = fused.mix_forward(values, scales, query)
         fwd_gb = ((S + 1) * N * D * 2 + 2 * S * N * 4) / 1e9  # S reads, h write; r reads, alpha write
         # g_h read by both backward kernels, S reads, S writes; per-source row scalars [S, N]: alpha and r
-        # read twice, g_alpha and d written and read, g_r written
-        bwd_gb = ((2 * S + 2) * N * D * 2 + 9 * S * N * 4) / 1e9
+        # read twice, g_alpha written and read, the logits read, g_r written; c [N] fp64 written and read
+        bwd_gb = ((2 * S + 2) * N * D * 2 + 8 * S * N * 4 + 16 * N) / 1e9
         fwd, bwd = {}, {}
         for cfg in configs:
             fwd[cfg] = time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)
             for pps in pps_list:
-                bwd[cfg, pps] = time_ms(lambda: fused.mix_backward(values, scales, query, alpha, g_h, launch=cfg,
+                bwd[cfg, pps] = time_ms(lambda: fused.mix_backward(values, scales, query, logits, g_h, launch=cfg,
                                                                    programs=pps * sms), device, args.steps)
         best_f, best_b = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
         print(f"\nS={S}: forward moves {1e3 * fwd_gb:.1f} MB, backward {1e3 * bwd_gb:.1f} MB")

@@ -124,7 +124,7 @@ class _DepthSoftmaxMix(torch.autograd.Function):
         acc = alpha.dtype
         g_alpha = torch.stack([torch.linalg.vecdot(g_h, v.to(g_h.dtype)).to(acc) for v in values])  # [S, B, T]
         # g_alpha_i - sum_j alpha_j g_alpha_j, summed pairwise: for a source with nearly all the weight the
-        # plain difference cancels most digits (as in kernels/attnres.py, _mix_bwd_values)
+        # plain difference cancels most digits (kernels/attnres.py takes it in fp64 instead)
         centred = (alpha.unsqueeze(0) * (g_alpha.unsqueeze(1) - g_alpha.unsqueeze(0))).sum(1)       # [S, B, T]
         g_logit = alpha * centred
         scale = torch.stack(scales).squeeze(-1).to(acc)
