@@ -82,7 +82,7 @@ def _mix_fwd(vs, rs, q, h, logits, N, D, S: tl.constexpr, BT: tl.constexpr, BD: 
 
 
 @triton.jit
-def _mix_bwd_scores(vs, rs, q, alpha, g_h, g_alpha, c_out, g_q, N, D, S: tl.constexpr,
+def _mix_bwd_scores(vs, rs, alpha, g_h, g_alpha, c_out, g_q, N, D, S: tl.constexpr,
                     BT: tl.constexpr, BD: tl.constexpr):
     """First backward pass, a grid-stride loop over row blocks: g_alpha_i = <g_h, v_i> [S, N] fp32,
     c = sum_j alpha_j g_alpha_j / sum_j alpha_j [N] fp64 (the sums in fp64, below), and this program's
@@ -200,7 +200,7 @@ def mix_backward(
     c = alpha.new_empty(N, dtype=torch.float64)
     g_q = alpha.new_empty(n_prog, D)
     rs, q, g_h = tuple(r.contiguous() for r in inv_rms), query.float().contiguous(), g_h.contiguous()
-    _mix_bwd_scores[(n_prog,)](tuple(values), rs, q, alpha, g_h, g_alpha, c, g_q, N, D, S=S, BT=BT, BD=BD,
+    _mix_bwd_scores[(n_prog,)](tuple(values), rs, alpha, g_h, g_alpha, c, g_q, N, D, S=S, BT=BT, BD=BD,
                                num_warps=warps)
     _mix_bwd_values[(triton.cdiv(N, BT),)](rs, tuple(g_values), q, alpha, logits, g_h, g_alpha, c, g_r, N, D,
                                            S=S, BT=BT, BD=BD, num_warps=warps)
