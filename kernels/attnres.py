@@ -13,7 +13,7 @@ whole of D (D <= MAX_D, padded to a power of two), every sum runs in fp32.
   h rescaled as in flash attention), one write of h and of the raw logits [S, B, T] fp32, whose softmax
   over the sources (a small torch op) is alpha.
 - backward, two kernels: ``_mix_bwd_scores`` reads g_h and each source once (giving g_alpha_i =
-  <g_h, v_i> into an [S, N] buffer, c = sum_i alpha_i g_alpha_i per row in fp64, and g_q, below);
+  <g_h, v_i> into an [S, N] buffer, c = sum_i alpha_i g_alpha_i / sum_i alpha_i per row in fp64, and g_q);
   ``_mix_bwd_values`` reads g_h again and writes g_v_i = alpha_i g_h + g_logit_i r_i q without reading
   v_i, and g_r_i = g_logit_i d_i with d_i = logit_i / r_i from the forward's logits. The per-row scalars
   cross between the passes through global memory at a kernel boundary
