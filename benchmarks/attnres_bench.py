@@ -357,8 +357,8 @@ def time_ms(fn, device, reps: int) -> float:
 
 
 TUNE_ROWS = (1, 2, 4)
-TUNE_WARPS = (2, 4, 8)
-TUNE_PROGRAMS_PER_SM = (2, 4, 8, 16)
+TUNE_WARPS = (1, 2, 4, 8)
+TUNE_PROGRAMS_PER_SM = (4, 8, 12, 16)
 
 
 def parse_sources(text: str) -> list[int]:
@@ -371,11 +371,12 @@ def parse_sources(text: str) -> list[int]:
 
 
 def tune_mix(args, device) -> None:
-    """Time the fused mix alone (`mix_forward`, `mix_backward`) on S random bf16 sources [N, D] (N =
-    --tune-rows, D = --d-model) for S in --tune-sources, over launch configs (rows per program BT, num_warps)
-    from TUNE_ROWS x TUNE_WARPS with 2..16 elements of a [BT, BD] tile per thread, plus the default
-    (`kernels.attnres.default_launch`); the backward also over programs per SM. Per S a table, best marked
-    with *, then the default against the best."""
+    """Time the fused mix kernels alone on S random bf16 sources [N, D] (N = --tune-rows, D = --d-model) for
+    S in --tune-sources, over launch configs (rows per program BT, num_warps) from TUNE_ROWS x TUNE_WARPS
+    with 2..32 elements of a [BT, BD] tile per thread, plus the defaults of `kernels.attnres`: the forward;
+    the backward with each config for the values kernel (scores kernel at its default); the backward with
+    each config and programs per SM for the scores kernel (values kernel at its default). Per S a table,
+    best marked with *, then the defaults against the best."""
     import triton
 
     from kernels import attnres as fused
@@ -386,11 +387,11 @@ def tune_mix(args, device) -> None:
     def per_thread(cfg):
         return cfg[0] * BD // (32 * cfg[1])
 
-    grid = [(bt, w) for bt in TUNE_ROWS for w in TUNE_WARPS if 2 <= per_thread((bt, w)) <= 16]
     sms = sm_count(device)
     print(f"\ntune: fused mix alone, N={N} rows, D={D}, bf16 sources; {sms} SMs")
-    default = fused.default_launch(D)
-    configs = grid + ([default] if default not in grid else [])
+    default, default_s = fused.default_launch(D), fused.default_launch(D, fused.SCORES_ELEMENTS_PER_THREAD)
+    grid = [(bt, w) for bt in TUNE_ROWS for w in TUNE_WARPS if 2 <= per_thread((bt, w)) <= 32]
+    configs = grid + [c for c in {default, default_s} if c not in grid]
     pps_list = sorted(set(TUNE_PROGRAMS_PER_SM) | {fused.PROGRAMS_PER_SM})
     summary = []
     for S in parse_sources(args.tune_sources):
@@ -404,27 +405,35 @@ def tune_mix(args, device) -> None:
         # g_h read by both backward kernels, S reads, S writes; per-source row scalars [S, N]: alpha and r
         # read twice, g_alpha written and read, the logits read, g_r written; c [N] fp64 written and read
         bwd_gb = ((2 * S + 2) * N * D * 2 + 8 * S * N * 4 + 16 * N) / 1e9
-        fwd, bwd = {}, {}
-        for cfg in configs:
-            fwd[cfg] = time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)
-            for pps in pps_list:
-                bwd[cfg, pps] = time_ms(lambda: fused.mix_backward(values, scales, query, logits, g_h, launch=cfg,
-                                                                   programs=pps * sms), device, args.steps)
-        best_f, best_b = min(fwd, key=fwd.get), min(bwd, key=bwd.get)
+
+        def backward(values_cfg=default, scores_cfg=default_s, pps=fused.PROGRAMS_PER_SM):
+            return time_ms(lambda: fused.mix_backward(values, scales, query, logits, g_h, launch=values_cfg,
+                                                      scores_launch=scores_cfg, programs=pps * sms),
+                           device, args.steps)
+
+        fwd = {cfg: time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)
+               for cfg in configs}
+        val = {cfg: backward(values_cfg=cfg) for cfg in configs}
+        sco = {(cfg, pps): backward(scores_cfg=cfg, pps=pps) for cfg in configs for pps in pps_list}
+        best_f, best_v, best_s = min(fwd, key=fwd.get), min(val, key=val.get), min(sco, key=sco.get)
         print(f"\nS={S}: forward moves {1e3 * fwd_gb:.1f} MB, backward {1e3 * bwd_gb:.1f} MB")
-        bwd_header = f"backward ms at {', '.join(map(str, pps_list))} programs/SM"
-        print(f"  BT warps elem/thr |   fwd ms   GB/s | {bwd_header:{10 * len(pps_list) - 1}} | GB/s")
+        sco_header = f"backward ms, scores kernel's config at {', '.join(map(str, pps_list))} programs/SM"
+        print(f"  BT warps elem/thr |   fwd ms   GB/s | bwd ms, values' config | {sco_header}")
         for cfg in configs:
-            times = [bwd[cfg, p] for p in pps_list]
-            marks = ["*" if (cfg, p) == best_b else " " for p in pps_list]
+            marks = ["*" if (cfg, p) == best_s else " " for p in pps_list]
+            tags = [name for name, d in (("forward and values", default), ("scores", default_s)) if cfg == d]
             print(f"{cfg[0]:4} {cfg[1]:5} {per_thread(cfg):8} | {fwd[cfg]:8.3f}{'*' if cfg == best_f else ' '}"
-                  f"{fwd_gb / fwd[cfg] * 1e3:6.0f} | " + " ".join(f"{t:8.3f}{m}" for t, m in zip(times, marks))
-                  + f" | {bwd_gb / min(times) * 1e3:4.0f}" + ("  <- default" if cfg == default else ""))
-        summary.append((S, fwd[default], fwd[best_f], best_f, bwd[default, fused.PROGRAMS_PER_SM], bwd[best_b], best_b))
-    print("\ndefault vs best, ms (forward; backward)")
-    for S, f0, f1, cf, b0, b1, (cb, pps) in summary:
-        print(f"S={S}: fwd {f0:.3f} -> {f1:.3f} (BT={cf[0]}, warps={cf[1]}); bwd {b0:.3f} -> {b1:.3f} "
-              f"(BT={cb[0]}, warps={cb[1]}, {pps}/SM)")
+                  f"{fwd_gb / fwd[cfg] * 1e3:6.0f} | {val[cfg]:21.3f}{'*' if cfg == best_v else ' '} | "
+                  + " ".join(f"{sco[cfg, p]:8.3f}{m}" for p, m in zip(pps_list, marks))
+                  + (f"  <- default ({', '.join(tags)})" if tags else ""))
+        base = sco[default_s, fused.PROGRAMS_PER_SM]
+        summary.append((S, fwd[default], fwd[best_f], best_f, val[default], val[best_v], best_v,
+                        base, sco[best_s], best_s, bwd_gb))
+    print("\ndefaults vs best, ms (forward; backward by the values kernel's config; by the scores kernel's)")
+    for S, f0, f1, cf, v0, v1, cv, s0, s1, (cs, pps), gb in summary:
+        print(f"S={S}: fwd {f0:.3f} -> {f1:.3f} (BT={cf[0]}, warps={cf[1]}); values {v0:.3f} -> {v1:.3f} "
+              f"(BT={cv[0]}, warps={cv[1]}); scores {s0:.3f} -> {s1:.3f} (BT={cs[0]}, warps={cs[1]}, {pps}/SM); "
+              f"backward at the defaults {gb / s0 * 1e3:.0f} GB/s")
 
 
 def print_table(rows: dict, cols: list[tuple[str, str, bool]]) -> None:

@@ -38,12 +38,14 @@ from .device import sm_count
 
 MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sources go to torch above this
 MAX_D = 8192
-# Launch shape: one token row per program, 16 elements of it per thread, and 16 programs per SM for the
-# backward's grid-stride loop. On the H200 (D = 1024, 1 to 10 sources,
-# `python -m benchmarks.attnres_bench --device cuda --tune`, commit 015483c, whose one-kernel backward did
-# the same per-row work as the two kernels here) it is within 2% of the best shape tried for 4 to 10
-# sources and within 0.02 ms of it for 1 to 3; the two-kernel backward is not tuned separately.
+# Launch shapes: one token row per program; 16 elements of it per thread in the forward and in
+# `_mix_bwd_values`, 32 in `_mix_bwd_scores`, whose grid-stride loop runs 16 programs per SM. On the H200
+# (D = 1024, 32768 rows, `python -m benchmarks.attnres_bench --tune`) 32 elements per thread took the
+# scores kernel from 0.261 to 0.216 ms at 7 sources (0.070 -> 0.063 at 2, 0.117 -> 0.116 at 4), within 3%
+# of the best shape tried at 4 and 7 sources; the forward and the values kernel are within 7% and 4% of
+# their best shapes at 16.
 ELEMENTS_PER_THREAD = 16
+SCORES_ELEMENTS_PER_THREAD = 32
 PROGRAMS_PER_SM = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -142,10 +144,10 @@ def _mix_bwd_values(rs, g_vs, q, alpha, logits, g_h, g_alpha, c_in, g_r, N, D, S
         tl.store(g_vs[i] + offs, g_v.to(g_vs[i].dtype.element_ty), mask=mask)
 
 
-def default_launch(D: int) -> tuple[int, int]:
-    """(rows per program BT, num_warps) for width D: one row, ELEMENTS_PER_THREAD of its padded width per
+def default_launch(D: int, per_thread: int = ELEMENTS_PER_THREAD) -> tuple[int, int]:
+    """(rows per program BT, num_warps) for width D: one row, `per_thread` elements of its padded width per
     thread (at least one warp, at most 32)."""
-    return 1, max(1, min(32, triton.next_power_of_2(D) // (32 * ELEMENTS_PER_THREAD)))
+    return 1, max(1, min(32, triton.next_power_of_2(D) // (32 * per_thread)))
 
 
 def supported(values, inv_rms, query) -> bool:
@@ -181,18 +183,22 @@ def _empty_forward(values, inv_rms, query):
 
 def mix_backward(
     values: list[torch.Tensor], inv_rms: list[torch.Tensor], query: torch.Tensor, logits: torch.Tensor,
-    g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, programs: int | None = None,
+    g_h: torch.Tensor, *, launch: tuple[int, int] | None = None, scores_launch: tuple[int, int] | None = None,
+    programs: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Launch `_mix_bwd_scores` then `_mix_bwd_values` on the forward's raw logits [S, B, T]: -> g_values
     S x [B, T, D] (the values' dtypes), g_r [S, B, T] fp32, g_q [D] fp32.
-    launch: (rows per program, num_warps), default `default_launch(D)`; programs: size of the grid-stride
-    grid, default PROGRAMS_PER_SM per SM. g_q's summation order depends on both, nothing else does."""
+    launch, scores_launch: (rows per program, num_warps) of the values and the scores kernel, default
+    `default_launch(D)` and `default_launch(D, SCORES_ELEMENTS_PER_THREAD)`; programs: size of the scores
+    kernel's grid-stride grid, default PROGRAMS_PER_SM per SM. g_q's summation order depends on
+    scores_launch and programs, nothing else does."""
     values = [v.contiguous() for v in values]
     B, T, D = values[0].shape
     N, S = B * T, len(values)
     BT, warps = launch or default_launch(D)
+    BT_s, warps_s = scores_launch or default_launch(D, SCORES_ELEMENTS_PER_THREAD)
     BD = triton.next_power_of_2(D)
-    n_prog = min(triton.cdiv(N, BT), programs or PROGRAMS_PER_SM * sm_count(values[0].device))
+    n_prog = min(triton.cdiv(N, BT_s), programs or PROGRAMS_PER_SM * sm_count(values[0].device))
     g_values = [torch.empty_like(v) for v in values]
     logits = logits.contiguous()
     alpha = torch.softmax(logits, dim=0)
@@ -200,8 +206,8 @@ def mix_backward(
     c = alpha.new_empty(N, dtype=torch.float64)
     g_q = alpha.new_empty(n_prog, D)
     rs, q, g_h = tuple(r.contiguous() for r in inv_rms), query.float().contiguous(), g_h.contiguous()
-    _mix_bwd_scores[(n_prog,)](tuple(values), rs, alpha, g_h, g_alpha, c, g_q, N, D, S=S, BT=BT, BD=BD,
-                               num_warps=warps)
+    _mix_bwd_scores[(n_prog,)](tuple(values), rs, alpha, g_h, g_alpha, c, g_q, N, D, S=S, BT=BT_s, BD=BD,
+                               num_warps=warps_s)
     _mix_bwd_values[(triton.cdiv(N, BT),)](rs, tuple(g_values), q, alpha, logits, g_h, g_alpha, c, g_r, N, D,
                                            S=S, BT=BT, BD=BD, num_warps=warps)
     return g_values, g_r, g_q.sum(0)

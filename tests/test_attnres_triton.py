@@ -89,12 +89,13 @@ def compile_mismatches(inputs) -> list[str]:
     return bad
 
 
-def launched(values, scales, query, g_h, launch=None, programs=None) -> list:
-    """[h, alpha, g_values, g_inv_rms, g_query] straight from the launch helpers, with this launch config."""
+def launched(values, scales, query, g_h, launch=None, scores_launch=None, programs=None) -> list:
+    """[h, alpha, g_values, g_inv_rms, g_query] straight from the launch helpers, with these launch configs."""
     from kernels.attnres import mix_backward, mix_forward
 
     h, logits = mix_forward(values, scales, query, launch=launch)
-    g_values, g_r, g_q = mix_backward(values, scales, query, logits, g_h, launch=launch, programs=programs)
+    g_values, g_r, g_q = mix_backward(values, scales, query, logits, g_h, launch=launch, scores_launch=scores_launch,
+                                      programs=programs)
     return [h, logits.softmax(0), tuple(g_values), tuple(g_r), g_q]
 
 
@@ -148,7 +149,8 @@ def _run_checks() -> dict:
     out = {}
     for name in LAUNCH_CASES:
         inputs = make_inputs(*CASES[name])
-        out[f"launch_{name}"] = errors(launched(*inputs, launch=(1, 2), programs=3), launched(*inputs))
+        out[f"launch_{name}"] = errors(launched(*inputs, launch=(2, 2), scores_launch=(2, 2), programs=3),
+                                       launched(*inputs))
     for name, (B, T, D, dtypes) in CASES.items():
         inputs = make_inputs(B, T, D, dtypes)
         got = results_and_grads(lambda v, r, q: depth_softmax_mix(v, r, q, impl="triton"), *inputs)
@@ -186,8 +188,9 @@ def test_interpreter_matches_float64_reference(results, case):
 
 @pytest.mark.parametrize("case", LAUNCH_CASES)
 def test_interpreter_launch_config(results, case):
-    """1 row per program and 3 backward programs (default here: 16 or 32 rows, at most 2 programs) give the
-    default's results bit for bit, but g_query, whose per-program partial sums split differently (within 1e-6)."""
+    """2 rows per program in every kernel and 3 programs in the scores kernel's grid-stride loop (default
+    here: 1 row, 16 programs) give the default's results bit for bit, but g_query, whose per-program
+    partial sums split differently (within 1e-6)."""
     errs = results[f"launch_{case}"]
     assert all(e == 0 for name in NAMES[:-1] for e, _ in errs[name]), errs
     assert errs["g_query"][0][0] < 1e-6, errs
