@@ -40,10 +40,10 @@ MAX_SOURCES = 16  # one compiled kernel per (S, dtypes); full_attnres' 2L+1 sour
 MAX_D = 8192
 # Launch shapes: one token row per program; 16 elements of it per thread in the forward and in
 # `_mix_bwd_values`, 32 in `_mix_bwd_scores`, whose grid-stride loop runs 16 programs per SM. On the H200
-# (D = 1024, 32768 rows, `python -m benchmarks.attnres_bench --tune`) 32 elements per thread took the
-# scores kernel from 0.261 to 0.216 ms at 7 sources (0.070 -> 0.063 at 2, 0.117 -> 0.116 at 4), within 3%
-# of the best shape tried at 4 and 7 sources; the forward and the values kernel are within 7% and 4% of
-# their best shapes at 16.
+# (D = 1024, 32768 rows, `python -m benchmarks.attnres_bench --tune`, commit 49c557a) 32 elements per
+# thread in the scores kernel took the whole backward from 0.438 to 0.396 ms at 7 sources (0.146 -> 0.131
+# at 2, 0.230 -> 0.231 at 4), within 1.3% of the best launch tried for either backward kernel at 2, 4 and 7
+# sources; the forward is within 12% of its best (1 warp at 2 and 7 sources, the default at 4).
 ELEMENTS_PER_THREAD = 16
 SCORES_ELEMENTS_PER_THREAD = 32
 PROGRAMS_PER_SM = 16
