@@ -16,8 +16,9 @@ empty set, or none given, is the positional overrides alone). For each variant:
   (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
-  torch.profiler, printed as the ops with the most device time (not in the table, not in the peak; the
-  trainer path the same, through a callback). A compiled row, on either path, also prints how many graphs
+  torch.profiler, printed as the ops with the most device time and, on a GPU, where the device waited
+  (its idle gaps, charged to the host ops running when they opened; `idle_gaps`) (not in the table, not
+  in the peak; the trainer path the same, through a callback). A compiled row, on either path, also prints how many graphs
   dynamo compiled and its graph breaks with their reasons.
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run
   directory, logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import heapq
 import math
 import os
 import shlex
@@ -265,9 +267,10 @@ def profiler(device: torch.device) -> torch.profiler.profile:
 
 def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 50) -> str:
     """The ops with the most time on the device (the CPU when there is no GPU), self time, as torch's
-    key_averages table."""
+    key_averages table; on a GPU followed by `idle_gaps`, where the device waited."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    return table + "\n" + idle_gaps(*timeline(prof)) if device.type == "cuda" else table
 
 
 def profile_table(step, n: int, device: torch.device) -> str:
@@ -278,6 +281,88 @@ def profile_table(step, n: int, device: torch.device) -> str:
         if device.type == "cuda":
             torch.cuda.synchronize()
     return top_ops(prof, device)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One event of a profile: [start, end) in microseconds, its name and (host ops) its thread."""
+    start: float
+    end: float
+    name: str
+    thread: int = 0
+
+
+def timeline(prof: torch.profiler.profile) -> tuple[list[Span], list[Span]]:
+    """(device kernels and copies, host ops) of a finished profile."""
+    from torch.autograd import DeviceType
+
+    kernels, host = [], []
+    for e in prof.events():
+        span = Span(e.time_range.start, e.time_range.end, e.name, e.thread)
+        if e.device_type == DeviceType.CUDA:
+            kernels.append(span)
+        elif e.device_type == DeviceType.CPU and not e.is_async:
+            host.append(span)
+    return kernels, host
+
+
+def idle_gaps(kernels: list[Span], host: list[Span], top: int = 8, min_us: float = 20.0) -> str:
+    """Where the device waited: its busy time (kernels on any stream merged into one time line) over the
+    span from its first kernel to its last, and each idle gap charged to what the host was doing when the
+    gap opened: of the host threads inside some op then, the one whose innermost op started last (the
+    thread that was launching), named by its ops from the outermost in. A device that waits in one place
+    has a host-bound step there (the launches or a synchronisation), which the table of device time per op
+    cannot show. Prints the idle time by outermost host op, then the `top` largest gaps of at least
+    `min_us` microseconds with the kernels either side."""
+    if not kernels:
+        return "No device kernels in the profile."
+    merged: list[list] = []  # busy intervals: [start, end, its first kernel, the kernel that ends it]
+    for k in sorted(kernels, key=lambda k: k.start):
+        if merged and k.start <= merged[-1][1]:
+            if k.end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = k.end, k.name
+        else:
+            merged.append([k.start, k.end, k.name, k.name])
+    busy = sum(end - start for start, end, *_ in merged)
+    window = merged[-1][1] - merged[0][0]
+    opened = [end for _, end, *_ in merged[:-1]]
+    by_op: dict[str, float] = {}
+    gaps = []
+    for (_, end, _, before), (start, _, after, _), chain in zip(merged, merged[1:], host_chains(host, opened)):
+        outermost = chain[0] if chain else "(no host op)"
+        by_op[outermost] = by_op.get(outermost, 0.0) + start - end
+        gaps.append((start - end, before, after, chain))
+    idle = window - busy
+    lines = [f"Device busy {busy / 1e3:.2f} ms of the {window / 1e3:.2f} ms from its first kernel to its last "
+             f"({busy / window:.1%}); idle {idle / 1e3:.2f} ms in {len(gaps)} gaps, "
+             f"{sum(g[0] >= min_us for g in gaps)} of them >= {min_us:g} us.",
+             "Idle time by the host op running when each gap opened (outermost op):"]
+    lines += [f"  {us / 1e3:8.3f} ms  {name[:90]}" for name, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+    lines.append(f"Largest gaps (>= {min_us:g} us):")
+    for us, before, after, chain in sorted((g for g in gaps if g[0] >= min_us), key=lambda g: -g[0])[:top]:
+        where = " > ".join(name[:50] for name in chain) if chain else "(no host op)"
+        lines.append(f"  {us / 1e3:8.3f} ms  after {before[:40]}, before {after[:40]}; host: {where}")
+    return "\n".join(lines)
+
+
+def host_chains(host: list[Span], times: list[float]) -> list[list[str]]:
+    """For each time of `times` (ascending), the names of the host ops running then on the launching thread
+    (see `idle_gaps`), outermost first: one sweep over the ops by start time, with a heap of those open."""
+    spans = sorted(host, key=lambda s: s.start)
+    open_ops: list[tuple[float, int]] = []  # (end, index into spans)
+    chains, i = [], 0
+    for t in times:
+        while i < len(spans) and spans[i].start <= t:
+            heapq.heappush(open_ops, (spans[i].end, i))
+            i += 1
+        while open_ops and open_ops[0][0] <= t:
+            heapq.heappop(open_ops)
+        by_thread: dict[int, list[Span]] = {}
+        for _, j in open_ops:
+            by_thread.setdefault(spans[j].thread, []).append(spans[j])
+        ops = max(by_thread.values(), key=lambda ops: max(s.start for s in ops)) if by_thread else []
+        chains.append([s.name for s in sorted(ops, key=lambda s: (s.start, -s.end))])
+    return chains
 
 
 class ProfileSteps(L.Callback):
@@ -425,7 +510,8 @@ def main(argv=None) -> str:
     p.add_argument("--variants", default="", help="override sets, comma-separated, each space-separated")
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after each row's timed steps, profile N more and print the ops with the most device time")
+                   help="after each row's timed steps, profile N more and print the ops with the most device time "
+                        "and, on a GPU, where the device waited")
     p.add_argument("--saved", action="store_true",
                    help="after each bare row, list what one forward keeps for the backward, by shape and dtype")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")

@@ -76,6 +76,32 @@ def test_profile_covers_both_paths_after_their_timed_steps(corpus, tmp_path, mon
     assert text.count("| (overrides only) |") == 2
 
 
+def test_idle_gaps_charge_each_gap_to_the_launching_threads_ops():
+    """Overlapping kernels merge into one busy interval; each idle gap goes to the ops open on the host
+    thread whose innermost op started last when the gap opened (here the backward thread, then the
+    optimizer's foreach on the main thread); totals, the per-op sums and the largest gaps follow."""
+    from benchmarks.step import Span, idle_gaps, timeline
+
+    ms = 1000.0  # the spans are in microseconds
+    kernels = [Span(0, 10 * ms, "a"), Span(5 * ms, 12 * ms, "b"), Span(20 * ms, 30 * ms, "c"),
+               Span(100 * ms, 110 * ms, "d"), Span(130 * ms, 140 * ms, "e")]
+    host = [Span(0, 60 * ms, "forward", 1), Span(8 * ms, 14 * ms, "mm", 1), Span(60 * ms, 200 * ms, "opt", 1),
+            Span(105 * ms, 120 * ms, "foreach", 1), Span(10 * ms, 40 * ms, "backward", 2),
+            Span(28 * ms, 33 * ms, "add", 2)]
+    text = idle_gaps(kernels, host, min_us=20 * ms)
+    lines = text.splitlines()
+    assert lines[0] == ("Device busy 42.00 ms of the 140.00 ms from its first kernel to its last (30.0%); "
+                        "idle 98.00 ms in 3 gaps, 2 of them >= 20000 us."), text
+    assert lines[2:4] == ["    78.000 ms  backward", "    20.000 ms  opt"], text
+    assert lines[5:] == ["    70.000 ms  after c, before d; host: backward > add",
+                         "    20.000 ms  after d, before e; host: opt > foreach"], text
+    assert idle_gaps([], host) == "No device kernels in the profile."
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    device_spans, host_spans = timeline(prof)
+    assert device_spans == [] and any(s.name == "aten::mm" and s.end > s.start for s in host_spans)
+
+
 def test_fla_config_follows_the_decay_and_residual_switches():
     """fla's model takes the sigmoid decay as safe_gate with its g_min, softplus as its default gate, and
     AttnRes blocks in sublayers as this model counts them (block_size, or n_blocks over 2 x n_layers)."""
