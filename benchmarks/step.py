@@ -17,8 +17,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
   torch.profiler, printed as the ops with the most device time and, on a GPU, where the device waited
-  (its idle gaps, charged to the host ops running when they opened; `idle_gaps`) (not in the table, not
-  in the peak; the trainer path the same, through a callback). A compiled row, on either path, also prints how many graphs
+  (`idle_gaps`: its idle gaps, charged to the host ops running when they opened); neither is in the
+  table or the peak, and the trainer path does the same through a callback. A compiled row, on either path, also prints how many graphs
   dynamo compiled and its graph breaks with their reasons.
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run
   directory, logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no
@@ -324,7 +324,7 @@ def idle_gaps(kernels: list[Span], host: list[Span], top: int = 8, min_us: float
         else:
             merged.append([k.start, k.end, k.name, k.name])
     busy = sum(end - start for start, end, *_ in merged)
-    window = merged[-1][1] - merged[0][0]
+    window = max(merged[-1][1] - merged[0][0], 1e-9)  # a lone zero-length kernel spans no time
     opened = [end for _, end, *_ in merged[:-1]]
     by_op: dict[str, float] = {}
     gaps = []
