@@ -11,16 +11,16 @@ drawn from N(0, 1). Each part is timed alone, --steps calls after --warmup (CUDA
 clock elsewhere), on the same parameters, gradients and state:
 
   step        Muon.step(): every group, what training runs
-  directions  the Muon groups' momentum, Nesterov direction and weight decay (Muon.directions)
-  stack       the copy of every Newton-Schulz bucket into one batch in the ns dtype (muon.stack)
+  momentum    the Muon groups' momentum and weight decay, foreach ops (Muon.momentum)
+  directions  every bucket's directions written into its Newton-Schulz batch (Muon.bucket_directions)
   ns          newton_schulz_iterations of every bucket (the Frobenius norms included)
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
-  rest        step minus the parts above: the update's cast and scale and its add into the parameters
+  rest        step minus the parts above: the updates' adds into the parameters
 
 ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over its time,
-and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). directions GB/s: the bytes its foreach
-ops move (10 passes over the Muon parameters' elements: momentum scaled and added to, the direction, the
-decay) over its time. Parts stay comparable across variants of one call: optim=muon (one matrix per
+and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). elementwise GB/s: the bytes momentum
+and directions move (7 passes over the Muon parameters' elements for momentum: scaled, added to, the decay;
+3 for the Nesterov direction, 2 for heavy ball's copy) over their time. Parts stay comparable across variants of one call: optim=muon (one matrix per
 weight) against optim=muon_per_head (one per head block) is the cost of the per-head switch.
 """
 from __future__ import annotations
@@ -35,9 +35,9 @@ from k3lab.config import OptimConfig, model_config, typed
 from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
-from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_iterations, stack
+from k3lab.optim.muon import buckets, newton_schulz_iterations
 
-PARTS = ("step", "directions", "stack", "ns", "adamw", "rest")
+PARTS = ("step", "momentum", "directions", "ns", "adamw", "rest")
 
 
 def ns_flops(shapes: list[tuple[int, int, int, int]]) -> float:
@@ -49,24 +49,24 @@ def ns_flops(shapes: list[tuple[int, int, int, int]]) -> float:
 
 def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
     """Callables of the parts (see the module docstring) for optimizer `opt`, its Newton-Schulz batches
-    (matrices, rows, cols, iterations) and the bytes one `directions` part moves."""
+    (matrices, rows, cols, iterations) and the bytes the momentum and directions parts move."""
     muon = [g for g in opt.param_groups if g["use_muon"]]
     adamw = [g for g in opt.param_groups if not g["use_muon"]]
     for group in muon:  # the state a first step would create, so that every part runs on it
         for p in group["params"]:
             opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-    batches = []  # (group, the matrices of one bucket), as the step makes them
+    batches = []  # (group, one bucket), as the step makes them
     for group in muon:
         heads = [h if group["per_head"] else 0 for h in group["head_blocks"]]
-        batches += [(group, [m for _, m in b]) for b in buckets([p.grad for p in group["params"]], heads)]
-    stacks = [(stack(mats, NS_DTYPES[g["ns_dtype"]]), g["ns_steps"]) for g, mats in batches]
+        batches += [(group, b) for b in buckets(group["params"], heads)]
+    stacks = [(opt.bucket_directions(g, g["params"], b), g["ns_steps"]) for g, b in batches]
     shapes = [(*s.shape, it) for s, it in stacks]
-    passes = {True: 10, False: 7}  # momentum scaled (2) and added to (3), the Nesterov direction (3), decay (2)
+    passes = {True: 10, False: 9}  # momentum scaled (2) and added to (3), decay (2); the direction (3) or copy (2)
     moved = sum(passes[g["nesterov"]] * p.numel() * p.element_size() for g in muon for p in g["params"])
     parts = {
         "step": opt.step,
-        "directions": lambda: [opt.directions(g, g["params"]) for g in muon],
-        "stack": lambda: [stack(mats, NS_DTYPES[g["ns_dtype"]]) for g, mats in batches],
+        "momentum": lambda: [opt.momentum(g, g["params"]) for g in muon],
+        "directions": lambda: [opt.bucket_directions(g, g["params"], b) for g, b in batches],
         "ns": lambda: [newton_schulz_iterations(s, it) for s, it in stacks],
         "adamw": lambda: [opt._adamw_step(g) for g in adamw],
     }
@@ -94,13 +94,14 @@ def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops() if device.type == "cuda" else None
     lines = [f"optimizer step on {name}, torch {torch.__version__}; ms per call of each part", "",
-             "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | directions GB/s | matrices in buckets |",
+             "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | elementwise GB/s | matrices in buckets |",
              "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]
     for variant, r in rows:
         ms = r["ms"]
         tflops = r["ns_flops"] / (ms["ns"] * 1e-3) / 1e12 if ms["ns"] > 0 else float("nan")
         share = f" ({tflops * 1e12 / peak:.0%})" if peak else ""
-        gbs = r["moved"] / (ms["directions"] * 1e-3) / 1e9 if ms["directions"] > 0 else float("nan")
+        elementwise = ms["momentum"] + ms["directions"]
+        gbs = r["moved"] / (elementwise * 1e-3) / 1e9 if elementwise > 0 else float("nan")
         lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(f"{ms[p]:.2f}" for p in PARTS)
                      + f" | {tflops:.1f}{share} | {gbs:.0f} | {r['matrices']} in {r['buckets']} |")
     return "\n".join(lines) + "\n"

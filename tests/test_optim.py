@@ -145,6 +145,22 @@ def test_newton_schulz_baddbmm_equals_the_formula(shape):
     torch.testing.assert_close(got, newton_schulz_formula(g), rtol=0, atol=5e-6)  # measured <= 1.2e-6
 
 
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_tall_batch_iterates_in_its_own_layout(steps):
+    """A tall batch runs the iteration on its transpose written in its own layout (Gram x^T x, update
+    x + x P): fp32 equals the wide batch's result transposed to rounding, comes out contiguous without a
+    transposed copy, and in bf16 is as close to the fp64 result as the wide batch's."""
+    g = torch.randn(3, 24, 72, generator=torch.Generator().manual_seed(4))
+    tall = g.mT.contiguous()
+    got = muon_module.newton_schulz_iterations(tall.clone(), steps)
+    assert got.shape == tall.shape and got.is_contiguous()
+    torch.testing.assert_close(got, muon_module.newton_schulz_iterations(g.clone(), steps).mT, rtol=0, atol=2e-6)
+    exact = newton_schulz(g.double(), steps, dtype=torch.float64)
+    wide_err = (newton_schulz(g, steps).double() - exact).norm()
+    tall_err = (newton_schulz(tall, steps).double() - exact.mT).norm()
+    assert tall_err < 1.1 * wide_err, (tall_err.item(), wide_err.item())
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1e4])
 def test_newton_schulz_normalises_each_matrix_of_a_batch(scale):
     """The norms taken from the first Gram matrix normalise every matrix on its own: one matrix of a batch
@@ -288,6 +304,51 @@ def test_batched_step_equals_the_per_parameter_loop(nesterov, bucket_numel, monk
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
         assert set(opt.state[p]) == {"momentum_buffer"}  # no state beyond the momentum
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], m, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("param_dtype,ns_dtype", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+                                                    (torch.bfloat16, "fp32")])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_bucket_directions_are_the_stacked_directions(param_dtype, ns_dtype, nesterov):
+    """Each bucket's batch holds its parameters' directions, g + beta m (Nesterov) or m, computed in the
+    parameter dtype and rounded once to the Newton-Schulz dtype: bitwise what stacking the directions gives."""
+    pairs = mixed_muon_params()
+    params = [nn.Parameter(p.detach().to(param_dtype)) for p, _ in pairs]
+    heads = [h for _, h in pairs]
+    opt = Muon([dict(params=params, use_muon=True, head_blocks=heads, per_head=True, ns_dtype=ns_dtype,
+                     momentum=0.9, nesterov=nesterov)])
+    group = opt.param_groups[0]
+    gen = torch.Generator().manual_seed(5)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(param_dtype)
+        opt.state[p]["momentum_buffer"] = torch.randn(p.shape, generator=gen).to(param_dtype)
+    us = [p.grad.add(opt.state[p]["momentum_buffer"], alpha=0.9) if nesterov else opt.state[p]["momentum_buffer"]
+          for p in params]
+    for bucket in muon_module.buckets(params, heads):
+        got = opt.bucket_directions(group, params, bucket)
+        want = muon_module.stack([muon_module.as_matrices(us[i], heads[i]) for i, _ in bucket],
+                                 muon_module.NS_DTYPES[ns_dtype])
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_batched_step_with_bf16_newton_schulz_equals_the_per_parameter_loop():
+    """fp32 parameters, bf16 Newton-Schulz: directions rounded to bf16 in the batch as the loop's stack rounds
+    them, the update scale folded into the add: the loop's result up to fp32 rounding."""
+    pairs = mixed_muon_params()
+    params, heads = [p for p, _ in pairs], [h for _, h in pairs]
+    ref = [nn.Parameter(p.detach().clone()) for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon([dict(params=params, use_muon=True, head_blocks=heads, per_head=True, ns_dtype="bf16", lr=0.05,
+                     weight_decay=0.1, momentum=0.9)])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        reference_muon_step(ref, heads, bufs, 0.05, 0.1, 0.9, True, torch.bfloat16)
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
 
 
 def test_one_newton_schulz_per_bucket(monkeypatch):

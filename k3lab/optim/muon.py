@@ -26,11 +26,12 @@ correction): torch.optim.AdamW's own code, through its functional form (`_adamw_
 and one LR scheduler drive the whole model.
 
 Batching: for plain tensors the Muon step loops over buckets of same-shaped matrices, not over parameters.
-Momentum, Nesterov and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise
-(each 2-D weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket stacked in the
-Newton-Schulz dtype and orthogonalised by one batched Newton-Schulz (at most BUCKET_NUMEL elements a batch; the
-Frobenius norms come from its first Gram matrix, so the stack is one copy), its slices added back to their
-parameters: per matrix the arithmetic of `orthogonal_update`.
+Momentum and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise (each 2-D
+weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket's directions written
+straight into one batch in the Newton-Schulz dtype and orthogonalised by one batched Newton-Schulz (at most
+BUCKET_NUMEL elements a batch; the Frobenius norms come from its first Gram matrix, so nothing else reads the
+batch), its slices added back to their parameters with the update scale folded into the add: per matrix the
+arithmetic of `orthogonal_update`, rounded once fewer.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -95,12 +96,15 @@ def stack(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def newton_schulz_iterations(x: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
-    """The quintic iterations of `newton_schulz` on a batch x [n, rows, cols], on the wide orientation
-    (rows <= cols, so A is the smaller Gram matrix); an iteration is three batched GEMMs with the sums
-    folded in (baddbmm: bA + cA^2, then aX + (..)X). Returns [n, rows, cols], contiguous.
+    """The quintic iterations of `newton_schulz` on a batch x [n, rows, cols] (contiguous), with the
+    smaller Gram matrix: A = x x^T for a wide batch (rows <= cols), where an iteration is
+    x <- a x + (b A + c A^2) x, and A = x^T x for a tall one, where it is x <- a x + x (b A + c A^2), the
+    same iteration on the transpose, written so that x keeps its own layout (no strided copy). Each
+    iteration is three batched GEMMs with the sums folded in (baddbmm: bA + cA^2, then the update).
+    Returns [n, rows, cols], contiguous.
 
     x need not be normalised: the first iteration divides by the Frobenius norms s = ||x||_F + eps
-    without a pass over x. With A = x x^T, ||x||_F^2 = trace(A), and for x' = x / s
+    without a pass over x. With ||x||_F^2 = trace(A), and for x' = x / s (wide; tall by symmetry)
 
         x1 = a x' + (b A' + c A'^2) x' = ((a I + b A' + c A'^2) / s) x,   A' = A / s^2,
 
@@ -108,23 +112,25 @@ def newton_schulz_iterations(x: Tensor, steps: int, eps: float = 1e-7) -> Tensor
     Frobenius norms below about 1e19 in bf16, far beyond clipped gradients' momentum)."""
     a, b, c = NS_COEFFS
     tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    gram = torch.bmm(x, x.mT)
+
+    def gram_of(x: Tensor) -> Tensor:
+        return torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+
+    gram = gram_of(x)
     norm = gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float32).sqrt()  # [n], ||x||_F
     inv = (1 / (norm + eps))[:, None, None]
     if steps == 0:
-        x = x * inv.to(x.dtype)
-    else:
-        gram.mul_(inv.square().to(x.dtype))
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        x = torch.bmm(poly.mul_(inv.to(x.dtype)), x)
+        return x * inv.to(x.dtype)
+    gram.mul_(inv.square().to(x.dtype))
+    poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+    poly.diagonal(dim1=-2, dim2=-1).add_(a)
+    poly.mul_(inv.to(x.dtype))
+    x = torch.bmm(x, poly) if tall else torch.bmm(poly, x)
     for _ in range(steps - 1):
-        gram = torch.bmm(x, x.mT)
+        gram = gram_of(x)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return (x.mT if tall else x).contiguous()
+        x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+    return x
 
 
 def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
@@ -186,17 +192,22 @@ def buckets(us: list[Tensor], head_blocks: list[int]) -> list[list[tuple[int, Te
     return [[(i, mats[i]) for i in group] for group in group_indices(keys, [m.numel() for m in mats])]
 
 
+def unstack(ortho: Tensor, bucket: list[tuple[int, Tensor]], like: list[Tensor]) -> list[Tensor]:
+    """The slices of a bucket's Newton-Schulz result ortho [sum n_i, rows, cols], one per (index, matrices
+    [n_i, rows, cols]) entry of `bucket`, shaped and typed like like[index] (views where the dtype agrees)."""
+    pieces = ortho.split([m.size(0) for _, m in bucket])
+    return [piece.view(like[i].shape).to(like[i].dtype) for (i, _), piece in zip(bucket, pieces)]
+
+
 def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtype: torch.dtype
-                   ) -> Iterator[tuple[list[int], list[Tensor]]]:
-    """The scaled Muon updates 0.2*sqrt(max(rows, cols)) * NS(u) of plain tensors `us`, one bucket
-    (`buckets`) at a time: (indices into us, updates shaped like those u, in u's dtype). Per matrix the
-    arithmetic of `orthogonal_update`; one bucket's stack and Newton-Schulz intermediates live at a time."""
+                   ) -> Iterator[tuple[list[int], list[Tensor], float]]:
+    """The Muon updates NS(u) of whole tensors `us` (the sharded step's gathered directions), one bucket
+    (`buckets`) at a time: (indices into us, NS(u) shaped like those u, in u's dtype, and the bucket's
+    `update_scale`, which the caller folds into its add). One bucket's stack and Newton-Schulz
+    intermediates live at a time."""
     for bucket in buckets(us, head_blocks):
-        mats = [m for _, m in bucket]
-        ortho = newton_schulz_iterations(stack(mats, ns_dtype), steps)
-        update = ortho.to(mats[0].dtype).mul_(update_scale(ortho))
-        pieces = update.split([m.size(0) for m in mats])
-        yield [i for i, _ in bucket], [piece.view(us[i].shape) for (i, _), piece in zip(bucket, pieces)]
+        ortho = newton_schulz_iterations(stack([m for _, m in bucket], ns_dtype), steps)
+        yield [i for i, _ in bucket], unstack(ortho, bucket, us), update_scale(ortho)
 
 
 def shard_chunks(us: list[DTensor], head_blocks: list[int]) -> list[list[int]]:
@@ -277,34 +288,60 @@ class Muon(torch.optim.Optimizer):
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for chunk in shard_chunks(us, heads):
             whole = [us[i].full_tensor() for i in chunk]
-            for idx, updates in bucket_updates(whole, [heads[i] for i in chunk], group["ns_steps"], ns_dtype):
+            for idx, updates, scale in bucket_updates(whole, [heads[i] for i in chunk], group["ns_steps"],
+                                                      ns_dtype):
                 for j, update in zip(idx, updates):
                     p = params[chunk[j]]
                     replicated = DTensor.from_local(update, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
                                                     run_check=False)
-                    p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"])
+                    p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"] * scale)
 
     def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
-        """Plain (parameter, head_blocks) pairs: foreach ops for the elementwise steps, one Newton-Schulz per
-        bucket (`bucket_updates`). Transient memory: the group's Nesterov directions, and one bucket's stack
-        with its Newton-Schulz intermediates at a time."""
+        """Plain (parameter, head_blocks) pairs: foreach ops for momentum and decay (`momentum`), then per
+        bucket of same-shaped matrices (`buckets` of the parameters) the directions written into one batch
+        (`bucket_directions`), one Newton-Schulz, and one foreach add of the slices with the update scale
+        in its alpha. Transient memory: one bucket's batch with its Newton-Schulz intermediates at a time."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        us = self.directions(group, params)
-        for idx, updates in bucket_updates(us, heads, group["ns_steps"], NS_DTYPES[group["ns_dtype"]]):
-            torch._foreach_add_([params[i] for i in idx], updates, alpha=-group["lr"])
+        self.momentum(group, params)
+        for bucket in buckets(params, heads):
+            ortho = newton_schulz_iterations(self.bucket_directions(group, params, bucket), group["ns_steps"])
+            torch._foreach_add_([params[i] for i, _ in bucket], unstack(ortho, bucket, params),
+                                alpha=-group["lr"] * update_scale(ortho))
+
+    def momentum(self, group: dict, params: list[Tensor]) -> list[Tensor]:
+        """The elementwise start of a Muon step (foreach ops, on plain tensors or on DTensor shards): momentum
+        m <- beta m + g and the decoupled weight decay p <- (1 - lr wd) p. Returns the momentum buffers."""
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, group["momentum"])
+        torch._foreach_add_(bufs, [p.grad for p in params])
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        return bufs
 
     def directions(self, group: dict, params: list[Tensor]) -> list[Tensor]:
-        """The elementwise start of a Muon step (foreach ops, on plain tensors or on DTensor shards): momentum
-        m <- beta m + g, the direction u = g + beta m (Nesterov) or m, and the decoupled weight decay
-        p <- (1 - lr wd) p. Returns the directions, one per parameter."""
-        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_mul_(bufs, beta)
-        torch._foreach_add_(bufs, grads)
-        us = torch._foreach_add(grads, bufs, alpha=beta) if group["nesterov"] else bufs
-        torch._foreach_mul_(params, 1 - lr * wd)
-        return us
+        """`momentum`, then the directions u = g + beta m (Nesterov) or m, one per parameter (new tensors
+        under Nesterov: the sharded step gathers them whole)."""
+        bufs = self.momentum(group, params)
+        if not group["nesterov"]:
+            return bufs
+        return torch._foreach_add([p.grad for p in params], bufs, alpha=group["momentum"])
+
+    def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]]) -> Tensor:
+        """The directions u = g + beta m (Nesterov) or m of one bucket's parameters (after `momentum`), each
+        computed in its parameter's dtype and written into its slice of one batch [sum n_i, rows, cols] in the
+        Newton-Schulz dtype: one pass over g and m per parameter, no separate stack."""
+        out = torch.empty((sum(m.size(0) for _, m in bucket), *bucket[0][1].shape[1:]),
+                          dtype=NS_DTYPES[group["ns_dtype"]], device=bucket[0][1].device)
+        start = 0
+        for i, mats in bucket:
+            p, n = params[i], mats.size(0)
+            dest = out[start:start + n].view(p.shape)
+            m = self.state[p]["momentum_buffer"]
+            if group["nesterov"]:
+                torch.add(p.grad, m, alpha=group["momentum"], out=dest)
+            else:
+                dest.copy_(m)
+            start += n
+        return out
 
     def _adamw_step(self, group: dict) -> None:
         """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:
