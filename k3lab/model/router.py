@@ -208,9 +208,11 @@ class QuantileBalance:
         if self.bins == 0:
             local = torch.cat(self.scores) if self.scores else torch.empty(0, self.n, device=device)
             pooled = all_gather_rows(local.float(), pad_value=-math.inf)
-            # drop the padding rows of shorter ranks; rows of non-finite scores stay, so a NaN step gives a NaN
-            # bias (found at the training module's next read) instead of an empty quantile
-            pooled = pooled[pooled[:, 0] != -math.inf]
+            if is_distributed():
+                # drop the padding rows of shorter ranks (a boolean index: a host sync, as the row count above
+                # already is; on one process there is no padding and no sync); rows of non-finite scores stay,
+                # so a NaN step gives a NaN bias (found at the training module's next read), not an empty quantile
+                pooled = pooled[pooled[:, 0] != -math.inf]
             b = bias.float()
             for _ in range(self.iters):
                 b = centre(-qb_quantile_exact(qb_margins(route(pooled, b, self.k)), self.k))
