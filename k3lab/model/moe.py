@@ -238,11 +238,16 @@ class MoE(nn.Module):
         if new is not None:
             self.router.bias.copy_(broadcast_from_rank0(new.to(self.router.bias)))
         self.balancer.reset()
-        self._closed = (all_reduce_sum(self._load).clone(),
-                        all_reduce_sum(torch.stack([self._entropy_sum, self._entropy_sum.new_tensor(self._tokens)])))
+        self._closed = (all_reduce_sum(self._load).clone(), all_reduce_sum(self._entropy_tokens()))
         self._load.zero_()
         self._entropy_sum.zero_()
         self._tokens = 0
+
+    def _entropy_tokens(self) -> torch.Tensor:
+        """[entropy sum, tokens] (fp64, on the device) of the forwards since the last update_bias. The token
+        count, a host int, enters by a fill kernel: a tensor built from it (new_tensor) would be a blocking
+        host-to-device copy, which waits for the device's whole queue."""
+        return torch.stack([self._entropy_sum, torch.full_like(self._entropy_sum, self._tokens)])
 
     def _summarise(self, load: torch.Tensor, entropy_tokens: torch.Tensor) -> dict[str, float]:
         ent, tokens = entropy_tokens.tolist()
@@ -258,8 +263,7 @@ class MoE(nn.Module):
         normalised scores, nats), bias_norm: over this rank's training forwards since the last
         update_bias(), or, if none, over the step that update_bias() closed (pooled over ranks)."""
         if self._tokens:
-            return self._summarise(self._load, torch.stack([self._entropy_sum,
-                                                            self._entropy_sum.new_tensor(self._tokens)]))
+            return self._summarise(self._load, self._entropy_tokens())
         if self._closed is not None and self._closed[1][1] > 0:
             return self._summarise(*self._closed)
         return {"maxvio": float("nan"), "dead_frac": float("nan"), "router_entropy": float("nan"),

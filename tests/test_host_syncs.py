@@ -1,0 +1,85 @@
+"""The training step reads nothing back to the host (k3lab/lit.py's contract): on a GPU a sync stalls the host
+until the device drains its queue, and the device then idles while the host launches the next work."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from k3lab.config import ModelConfig, OptimConfig
+from k3lab.lit import clip_grad_norm
+from k3lab.model import K3Model
+from k3lab.optim import build_optimizer
+
+# Tensor methods that read a value to the host, or build a tensor from host values (on a GPU: a blocking copy)
+HOST_VALUE_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "new_tensor"}
+HOST_VALUE_FUNCTIONS = {torch.tensor, torch.as_tensor, torch.nonzero, torch.masked_select}
+
+
+class HostValues(TorchFunctionMode):
+    """Records the calls that would wait for the device: HOST_VALUE_CALLS, HOST_VALUE_FUNCTIONS and indexing
+    with a boolean tensor (whose result size is data-dependent). Device-independent, so it runs on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in HOST_VALUE_CALLS or func in HOST_VALUE_FUNCTIONS:
+            self.calls.append(name)
+        elif name == "__getitem__" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                           for i in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            self.calls.append("boolean index")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("balance", ["qb", "sign"])
+def test_router_bias_update_reads_nothing_back(balance):
+    """update_router_biases after a training forward on one process (exact QB or the sign update): no value read
+    to the host, no tensor built from host values, no boolean index. The recorder is checked on a call it must
+    catch."""
+    cfg = ModelConfig(n_layers=2, d_model=64, head_dim=32, vocab_size=128)
+    cfg.balance.name = balance
+    model = K3Model(cfg)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(tokens)
+    with HostValues() as rec:
+        model.update_router_biases()
+    assert rec.calls == [], rec.calls
+    with HostValues() as rec:
+        tokens[tokens > 3].new_tensor(5).item()
+    assert rec.calls == ["boolean index", "new_tensor", "item"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("balance", ["qb", "sign"])
+def test_k3_default_training_step_never_syncs_the_host(balance):
+    """The K3 default (Triton KDA, grouped MoE dispatch, exact Quantile Balancing or the sign update, block
+    AttnRes, per-head Muon with the fused AdamW) in bf16, one step as K3LitModule takes it: forward with the
+    loss, backward, gradient clipping, optimizer and scheduler step, router-bias update. After a first step
+    (Triton compiles and tunes its kernels), the second runs under CUDA's sync debug mode set to error, which
+    raises at any operation that waits for the device."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=4, d_model=256, head_dim=64, vocab_size=512)
+    cfg.balance.name = balance
+    model = K3Model(cfg).cuda().to(torch.bfloat16)
+    opt, sched = build_optimizer(model, OptimConfig(), total_steps=10)
+    gen = torch.Generator("cuda").manual_seed(1)
+    tokens, targets = (torch.randint(0, 512, (2, 256), device="cuda", generator=gen) for _ in range(2))
+
+    def step():
+        (model(tokens, targets).mean + model.aux_loss()).backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        model.update_router_biases()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
