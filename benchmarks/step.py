@@ -17,9 +17,10 @@ empty set, or none given, is the positional overrides alone). For each variant:
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
   torch.profiler, printed as the ops with the most device time and, on a GPU, where the device waited
-  (`idle_gaps`: its idle gaps, charged to the host ops running when they opened); neither is in the
-  table or the peak, and the trainer path does the same through a callback. A compiled row, on either path, also prints how many graphs
-  dynamo compiled and its graph breaks with their reasons.
+  (`idle_gaps`: its idle gaps, charged to the host ops running when they opened) and where its copies
+  came from (`launch_sites`); none of it is in the table or the peak, and the trainer path does the same
+  through a callback. A compiled row, on either path, also prints how many graphs dynamo compiled and its
+  graph breaks with their reasons.
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run
   directory, logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no
   periodic checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
@@ -267,10 +268,46 @@ def profiler(device: torch.device) -> torch.profiler.profile:
 
 def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 50) -> str:
     """The ops with the most time on the device (the CPU when there is no GPU), self time, as torch's
-    key_averages table; on a GPU followed by `idle_gaps`, where the device waited."""
+    key_averages table; on a GPU followed by `idle_gaps`, where the device waited, and `launch_sites`, where
+    its copies and generic elementwise kernels came from."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
-    return table + "\n" + idle_gaps(*timeline(prof)) if device.type == "cuda" else table
+    if device.type != "cuda":
+        return table
+    return "\n".join([table, idle_gaps(*timeline(prof)), launch_sites(prof.events())])
+
+
+# device kernels whose names do not say which code launched them: copies and torch's generic elementwise loops
+GENERIC_KERNELS = ("Memcpy", "elementwise_kernel")
+
+
+def launch_sites(events, top: int = 8) -> str:
+    """The device time of the GENERIC_KERNELS by the chain of host ops that launched them, outermost first
+    (a profiler event's `kernels` are those launched from it, its `cpu_parent` the op around it), largest
+    first: what the table of device time per op cannot say about a copy (the step's `aten::copy_` rows come
+    from the model, the optimizer and the compiled graph alike)."""
+    from torch.autograd import DeviceType
+
+    sites: dict[tuple[str, str], list] = {}  # (kernel kind, host chain) -> [microseconds, launches]
+    for e in events:
+        hits = [(kind, k.duration) for k in getattr(e, "kernels", ()) for kind in GENERIC_KERNELS if kind in k.name]
+        if e.device_type != DeviceType.CPU or not hits:
+            continue
+        chain, op = [], e
+        while op is not None:
+            chain.append(op.name[:50])
+            op = op.cpu_parent
+        where = " > ".join(reversed(chain if len(chain) <= 5 else [*chain[:4], "...", chain[-1]]))
+        for kind, us in hits:
+            site = sites.setdefault((kind, where), [0.0, 0])
+            site[0] += us
+            site[1] += 1
+    if not sites:
+        return "No copies or generic elementwise kernels on the device."
+    lines = ["Copies and generic elementwise kernels by the host ops that launched them:"]
+    for (kind, where), (us, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.3f} ms  {n:5d} x {kind}  from {where}")
+    return "\n".join(lines)
 
 
 def profile_table(step, n: int, device: torch.device) -> str:
@@ -511,7 +548,7 @@ def main(argv=None) -> str:
     p.add_argument("--paths", default="bare,trainer", help="comma-separated: bare, trainer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after each row's timed steps, profile N more and print the ops with the most device time "
-                        "and, on a GPU, where the device waited")
+                        "and, on a GPU, where the device waited and which host ops launched its copies")
     p.add_argument("--saved", action="store_true",
                    help="after each bare row, list what one forward keeps for the backward, by shape and dtype")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")

@@ -102,6 +102,34 @@ def test_idle_gaps_charge_each_gap_to_the_launching_threads_ops():
     assert device_spans == [] and any(s.name == "aten::mm" and s.end > s.start for s in host_spans)
 
 
+def test_launch_sites_sum_copies_by_the_chain_of_host_ops_that_launched_them():
+    """Copies and generic elementwise kernels, summed by kind and by the host op chain (outermost first, long
+    chains shortened in the middle) of the event that launched them; other kernels and device-side events
+    are left out, the largest site comes first."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.step import launch_sites
+
+    def op(name, parent=None, kernels=()):
+        return SimpleNamespace(name=name, cpu_parent=parent, device_type=DeviceType.CPU,
+                               kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
+
+    graph = op("Torch-Compiled Region")
+    deep = op("e", op("d", op("c", op("b", op("a", graph)))))
+    events = [graph, deep,
+              op("aten::copy_", graph, [("Memcpy DtoD (Device -> Device)", 300.0), ("triton_poi_fused_add", 900.0)]),
+              op("aten::copy_", graph, [("Memcpy DtoD (Device -> Device)", 200.0)]),
+              op("aten::add", deep, [("void at::native::elementwise_kernel<128, 4>", 50.0)]),
+              SimpleNamespace(name="Memcpy DtoD (Device -> Device)", cpu_parent=None, device_type=DeviceType.CUDA,
+                              kernels=[])]
+    lines = launch_sites(events).splitlines()
+    assert lines[1:] == ["     0.500 ms      2 x Memcpy  from Torch-Compiled Region > aten::copy_",
+                         "     0.050 ms      1 x elementwise_kernel  from Torch-Compiled Region > ... > c > d > e > aten::add"]
+    assert launch_sites(events[:2]) == "No copies or generic elementwise kernels on the device."
+
+
 def test_fla_config_follows_the_decay_and_residual_switches():
     """fla's model takes the sigmoid decay as safe_gate with its g_min, softplus as its default gate, and
     AttnRes blocks in sublayers as this model counts them (block_size, or n_blocks over 2 x n_layers)."""
