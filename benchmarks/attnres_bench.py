@@ -15,10 +15,12 @@ Measured per variant:
   peak MB      CUDA only: peak allocated during forward+backward minus what was allocated before it
   cpu ms/step  CPU only: process CPU time per step (steadier than wall time on a shared machine)
 and the overhead of each against `standard`. On CUDA the AttnRes mix runs as the fused Triton kernels
-(kernels/attnres.py) wherever they apply. `--impl-variants` adds four alternative AttnRes mixes for
+(kernels/attnres.py) wherever they apply. `--impl-variants` adds five alternative AttnRes mixes for
 comparison: `torch` (the hand-written torch autograd.Function, the CPU path, also on CUDA), `autograd`
 (the op in plain autograd ops, no hand-written backward), `nocache` (1/rms of every source recomputed by
-every op) and `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode).
+every op), `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode) and
+`twophase` (`kernels.attnres_two_phase`: one pass over a block's completed sources for all its ops, then a
+merge per op, in torch ops).
 Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`.
 A second table times the residual alone (the seam driven by cheap elementwise sublayers), where the cost
 of the mix is not hidden by the layers. Instead of the tables, `--profile` lists the top kernels of
@@ -132,7 +134,15 @@ class AutogradMix(attnres.AttnResidual):
     mix = staticmethod(attnres.depth_softmax_mix_autograd)
 
 
-IMPLS = {"torch": TorchMix, "stack": StackedMix, "nocache": NoCacheMix, "autograd": AutogradMix}
+class TwoPhaseMix(attnres.AttnResidual):
+    """Like AttnResidual with kernels.attnres_two_phase: phase 1 per block, a merge per op (torch ops)."""
+
+    def __init__(self, cfg, n_sublayers, d_model, eps):
+        super().__init__(cfg, n_sublayers, d_model, eps, two_phase=True)
+
+
+IMPLS = {"torch": TorchMix, "stack": StackedMix, "nocache": NoCacheMix, "autograd": AutogradMix,
+         "twophase": TwoPhaseMix}
 
 
 def build_model(kind: str, cfg: ModelConfig) -> nn.Module:
@@ -471,7 +481,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5 CPU, 20 CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant (default 1 CPU, 3 CUDA)")
     p.add_argument("--variants", default="standard,block_attnres,full_attnres")
-    p.add_argument("--impl-variants", action="store_true", help="also time block_attnres[torch|autograd|nocache|stack]")
+    p.add_argument("--impl-variants", action="store_true",
+                   help="also time block_attnres[torch|autograd|nocache|stack|twophase]")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default 1: on a shared machine, multi-threaded tiny ops time erratically)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model (as train.compile=true)")

@@ -124,6 +124,7 @@ class KernelsConfig:
     checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     checkpoint_experts: bool = False  # rerun the routed experts' GLUs in the backward, keep only their input
     recompute_glu: bool = False     # dense GLU FFNs: rebuild W3's input in the backward, keep only W1 x and W2 x
+    attnres_two_phase: bool = False  # block_attnres: each block's ops mix their completed sources in one pass, then merge their partial sums
     ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
 
 
@@ -182,6 +183,9 @@ class ModelConfig:
         check_at_least("model", self, 1, "n_layers", "head_dim")
         if self.kernels.ce_chunk < 0:
             raise ConfigError(f"kernels.ce_chunk={self.kernels.ce_chunk} must be >= 0 (0: 2**26 // vocab tokens)")
+        if self.kernels.attnres_two_phase and self.residual.name != "block_attnres":
+            raise ConfigError(f"kernels.attnres_two_phase=true acts with residual=block_attnres only "
+                              f"(residual={self.residual.name}: no block holds more than one op): set it false")
         if self.kernels.keep_intra and not self.kernels.recompute_chunks:
             raise ConfigError("kernels.keep_intra=true acts with kernels.recompute_chunks=true only (without it the "
                               "forward keeps At and P anyway): set both, or neither")

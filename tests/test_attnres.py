@@ -5,6 +5,7 @@ tests need nothing but the seam: begin / read / write / end.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,9 @@ from torch import nn
 
 from k3lab.config import ResidualConfig
 from k3lab.lit import depth_metrics
-from k3lab.model.attnres import AttnResidual, depth_softmax_mix, depth_softmax_mix_autograd, inv_rms
+from k3lab.model import attnres as attnres_module
+from k3lab.model.attnres import (AttnResidual, block_softmax_mix, depth_softmax_mix, depth_softmax_mix_autograd,
+                                 inv_rms, merge_partial)
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import StandardResidual, build_residual
 from k3lab.plots import plot_depth_diagnostics
@@ -51,8 +54,9 @@ def run(residual, stack, emb, perturb: dict | None = None):
     return reads, outs, residual.end(state)
 
 
-def make(name: str, n_sublayers: int, block_size: int = 2, randomise: bool = False, seed: int = 1):
-    res = build_residual(ResidualConfig(name=name, block_size=block_size), n_sublayers, D, EPS).double()
+def make(name: str, n_sublayers: int, block_size: int = 2, randomise: bool = False, seed: int = 1,
+         two_phase: bool = False):
+    res = build_residual(ResidualConfig(name=name, block_size=block_size), n_sublayers, D, EPS, two_phase).double()
     if randomise:  # trained-looking queries and norm gains, so the softmax is far from uniform
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -302,6 +306,91 @@ def test_fused_backward_gradcheck():
     assert torch.autograd.gradcheck(op, (q, *vs))
 
 
+# --- two-phase Block AttnRes (paper §3.2) ---------------------------------------------------------
+def random_sources(n: int, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(2, 3, D, generator=g, dtype=torch.float64)).requires_grad_() for _ in range(n)]
+
+
+def test_block_mix_is_the_one_phase_mix_of_each_query():
+    """Phase 1 over 4 sources with 3 queries: o[j] and alpha[j] are the one-phase mix of query j, lse[j] the
+    log-sum-exp of its logits; the hand-written backward passes gradcheck (float64)."""
+    vs = random_sources(4, 6)
+    qs = (2 * torch.randn(3, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)).requires_grad_()
+    scales = [inv_rms(v, EPS) for v in vs]
+    o, lse, alpha = block_softmax_mix(vs, scales, qs)
+    for j in range(3):
+        h, a = depth_softmax_mix_autograd(vs, scales, qs[j])
+        torch.testing.assert_close(o[j], h, rtol=0, atol=1e-12)
+        torch.testing.assert_close(alpha[j], a, rtol=0, atol=1e-12)
+        logits = torch.stack([(v @ qs[j]) * r.squeeze(-1) for v, r in zip(vs, scales)])
+        torch.testing.assert_close(lse[j], torch.logsumexp(logits, 0), rtol=0, atol=1e-12)
+
+    def op(qs, *vs):
+        o, lse, _ = block_softmax_mix(list(vs), [inv_rms(v, EPS) for v in vs], qs)
+        return o, lse
+
+    assert torch.autograd.gradcheck(op, (qs, *vs))
+
+
+def test_merge_is_the_one_phase_mix_with_the_partial_appended():
+    """Phase 2: merging the partial sum into phase 1's mix gives the one-phase mix over [sources, partial],
+    w its weight on the partial; the hand-written backward passes gradcheck (float64), lse included."""
+    vs, (p,) = random_sources(3, 8), random_sources(1, 9, scale=2.0)
+    q = (2 * torch.randn(D, generator=torch.Generator().manual_seed(10), dtype=torch.float64)).requires_grad_()
+    scales = [inv_rms(v, EPS) for v in vs]
+    o, lse, _ = block_softmax_mix(vs, scales, q[None])
+    h, w = merge_partial(o[0], lse[0], p, inv_rms(p, EPS), q)
+    want, alpha = depth_softmax_mix_autograd(vs + [p], scales + [inv_rms(p, EPS)], q)
+    torch.testing.assert_close(h, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w, alpha[-1], rtol=0, atol=1e-12)
+    o1, lse1 = o[0].detach().requires_grad_(), (lse[0].detach() + 0.3).requires_grad_()
+
+    def op(o, lse, p, q):
+        return merge_partial(o, lse, p, inv_rms(p, EPS), q)[0]
+
+    assert torch.autograd.gradcheck(op, (o1, lse1, p, q))
+
+
+@pytest.mark.parametrize("n_sublayers,block_size", [(8, 3), (8, 4), (6, 2), (5, 2)])
+def test_two_phase_equals_one_phase(n_sublayers, block_size, monkeypatch):
+    """Through the seam with trained-looking queries: the same sublayer inputs, final output and gradients
+    (embedding, stack, AttnRes parameters) as the one-phase mix, to float64 rounding, with one phase-1 call
+    per block and one for the final aggregation when it opens a block of its own (n_sublayers a multiple of
+    block_size; otherwise it joins the last block's)."""
+    calls = []
+    phase1 = attnres_module.block_softmax_mix
+    monkeypatch.setattr(attnres_module, "block_softmax_mix",
+                        lambda vs, rs, qs: calls.append(len(qs)) or phase1(vs, rs, qs))
+    results = []
+    for two_phase in (False, True):
+        stack, emb = toy_stack(n_sublayers).double(), emb_input().requires_grad_()
+        res = make("block_attnres", n_sublayers, block_size, randomise=True, two_phase=two_phase)
+        reads, _, h = run(res, stack, emb)
+        h.square().sum().backward()
+        results.append([*reads, h, emb.grad, *(p.grad for p in [*stack.parameters(), *res.parameters()])])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    blocks = math.ceil(n_sublayers / block_size)
+    alone = n_sublayers % block_size == 0
+    assert len(calls) == blocks + alone
+    assert calls[-1] == (1 if alone else n_sublayers % block_size + 1)
+    assert sum(calls) == n_sublayers + 1
+
+
+def test_two_phase_records_with_the_one_phase_mix():
+    """The depth recording (validation) takes the one-phase mix, which alone yields each op's weights: the
+    diagnostics and the final output are those of the one-phase residual."""
+    out = []
+    for two_phase in (False, True):
+        res = make("block_attnres", 8, 3, randomise=True, two_phase=two_phase)
+        res.record = True
+        _, _, h = run(res, toy_stack(8).double(), emb_input())
+        out.append((h, res.diagnostics()))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
+    np.testing.assert_equal(out[0][1], out[1][1])  # nan (a source an op does not see) equal to nan
+
+
 def test_inv_rms_backward():
     """inv_rms' one-pass backward passes gradcheck (float64) and, for bf16 v, matches autograd through the
     plain formula in float64 to bf16 rounding."""
@@ -369,6 +458,14 @@ def test_config_errors():
         build_residual(ResidualConfig(name="block_attnres", block_size=0), 8, D, EPS)
     with pytest.raises(ValueError, match="does not implement"):
         AttnResidual(ResidualConfig(name="standard"), 8, D, EPS)
+    from k3lab.config import ModelConfig
+    from k3lab.errors import ConfigError
+
+    for name in ("standard", "full_attnres"):
+        cfg = ModelConfig(residual=ResidualConfig(name=name))
+        cfg.kernels.attnres_two_phase = True
+        with pytest.raises(ConfigError, match="kernels.attnres_two_phase=true acts with residual=block_attnres"):
+            cfg.validate()
 
 
 def test_plot_depth_diagnostics(tmp_path):

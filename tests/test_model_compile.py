@@ -12,7 +12,7 @@ import torch._dynamo
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from k3lab.config import MixerConfig, ModelConfig, MoEConfig, ResidualConfig
+from k3lab.config import KernelsConfig, MixerConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3lab.model.attnres import AttnResidual
 from k3lab.model.k3 import K3Model, PreNorm
 from test_moe import grouped_mm_on_cpu
@@ -60,12 +60,15 @@ def test_graph_breaks_in_sublayers_do_not_recompile_the_residual(residual):
     assert 1 <= entries(PreNorm.forward) <= 4
 
 
-@pytest.mark.parametrize("residual", ["block_attnres", "full_attnres", "standard"])
-def test_model_without_graph_breaks_compiles_to_one_graph(residual):
+@pytest.mark.parametrize("residual,two_phase", [("block_attnres", False), ("block_attnres", True),
+                                                ("full_attnres", False), ("standard", False)])
+def test_model_without_graph_breaks_compiles_to_one_graph(residual, two_phase):
     """All-MLA layers with dense FFNs have no graph break: torch.compile(fullgraph=True, aot_eager) traces the
-    whole model, AttnRes stack included, as one frame, once, and matches eager forward and backward."""
+    whole model, AttnRes stack included (one-phase or two-phase), as one frame, once, and matches eager forward
+    and backward."""
     torch._dynamo.reset()
-    model = build(residual, mixer=MixerConfig(name="mla"), moe=MoEConfig(name="dense"))
+    model = build(residual, mixer=MixerConfig(name="mla"), moe=MoEConfig(name="dense"),
+                  kernels=KernelsConfig(attnres_two_phase=two_phase))
     eager = step(model, model)
     counter = CompileCounterWithBackend("aot_eager")
     compiled_model = torch.compile(model, backend=counter, fullgraph=True)

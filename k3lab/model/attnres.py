@@ -26,6 +26,16 @@ references to the sources (alive anyway), alpha and the raw scores [S, B, T], ne
 [S, B, T, D] copy per op. The softmax over depth runs in fp32; the mix accumulates in fp32 and returns
 the sources' promoted dtype. On CUDA the same op runs as fused Triton kernels (kernels/attnres.py: one
 read of each source forward, one backward). Measurements: docs/attnres.md, `python -m benchmarks.attnres_bench`.
+
+Two-phase Block AttnRes (paper §3.2; `kernels.attnres_two_phase`). The ops of one block see the same
+completed sources and differ only in the partial sum. Phase 1 (`block_softmax_mix`) mixes the completed
+sources for all of the block's queries in one pass, o_j = sum_i alpha_ji v_i with the log-sum-exp lse_j
+of op j's logits; phase 2 (`merge_partial`) adds op j's partial sum p as one more softmax term,
+
+    h_j = (1 - w_j) o_j + w_j p,    w_j = sigmoid(q_j . p / rms(p) - lse_j),
+
+which is the one-phase mix over [completed sources, p] rewritten. Here both phases are plain-PyTorch
+autograd functions (the reference); an op whose block has no partial sum yet takes o_j as it is.
 """
 from __future__ import annotations
 
@@ -164,15 +174,113 @@ def depth_softmax_mix(
     return _DepthSoftmaxMix.apply(query, len(values), *values, *inv_rms_)
 
 
+class _BlockSoftmaxMix(torch.autograd.Function):
+    """Phase 1 of two-phase Block AttnRes: Q ops over the same S sources in one pass.
+
+    queries [Q, D] (each w_j * g_j), values S x [B, T, D], scales S x [B, T, 1] (1/rms) -> o [Q, B, T, D]
+    (the values' promoted dtype), lse [Q, B, T] and alpha [Q, S, B, T] (accumulation dtype; alpha not
+    differentiable). With d_ji = q_j . v_i, l_ji = d_ji r_i, alpha = softmax_i(l), lse_j = logsumexp_i(l_ji):
+      g_alpha_ji = <g_o_j, v_i>,  g_l_ji = alpha_ji (g_alpha_ji - sum_k alpha_jk g_alpha_jk + g_lse_j),
+      g_v_i = sum_j (alpha_ji g_o_j + g_l_ji r_i q_j),  g_r_i = sum_j g_l_ji d_ji,  g_q_j = sum_i g_l_ji r_i v_i.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, n, *tensors):
+        values, scales = tensors[:n], tensors[n:]
+        out_dtype, acc = _dtypes(values)
+        dots = torch.stack([(v @ queries.to(v.dtype).T).to(acc).movedim(-1, 0) for v in values], dim=1)
+        logits = dots * torch.stack(scales).squeeze(-1).to(acc)                    # [Q, S, B, T]
+        lse = torch.logsumexp(logits, dim=1)                                       # [Q, B, T]
+        alpha = torch.exp(logits - lse.unsqueeze(1))
+        o = alpha[:, 0].unsqueeze(-1) * values[0].to(acc)                           # [Q, B, T, D]
+        for i, v in enumerate(values[1:], 1):
+            o.addcmul_(alpha[:, i].unsqueeze(-1), v.to(acc))
+        ctx.n = n
+        ctx.save_for_backward(queries, alpha, dots, *tensors)
+        ctx.mark_non_differentiable(alpha)
+        return o.to(out_dtype), lse, alpha
+
+    @staticmethod
+    def backward(ctx, g_o, g_lse, _g_alpha):
+        queries, alpha, dots, *tensors = ctx.saved_tensors
+        values, scales = tensors[:ctx.n], tensors[ctx.n:]
+        acc = alpha.dtype
+        g_o = g_o.to(acc)
+        g_alpha = torch.stack([torch.linalg.vecdot(g_o, v.to(acc)) for v in values], dim=1)     # [Q, S, B, T]
+        # centred pairwise, as in _DepthSoftmaxMix
+        centred = (alpha.unsqueeze(1) * (g_alpha.unsqueeze(2) - g_alpha.unsqueeze(1))).sum(2)
+        g_logit = alpha * (centred + g_lse.unsqueeze(1))
+        g_dot = g_logit * torch.stack(scales).squeeze(-1).to(acc)
+        q = queries.to(acc)
+        g_q = torch.zeros_like(q)
+        g_values = []
+        for i, v in enumerate(values):
+            g_v = torch.einsum("qbt,qbtd->btd", alpha[:, i], g_o) + torch.einsum("qbt,qd->btd", g_dot[:, i], q)
+            g_values.append(g_v.to(v.dtype))
+            g_q += g_dot[:, i].reshape(len(q), -1) @ v.reshape(-1, v.shape[-1]).to(acc)
+        g_scales = [(g_logit[:, i] * dots[:, i]).sum(0).unsqueeze(-1).to(r.dtype) for i, r in enumerate(scales)]
+        return (g_q.to(queries.dtype), None, *g_values, *g_scales)
+
+
+def block_softmax_mix(values: list[torch.Tensor], inv_rms_: list[torch.Tensor], queries: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1 (`_BlockSoftmaxMix`): values S x [B, T, D], inv_rms_ S x [B, T, 1], queries [Q, D] ->
+    o [Q, B, T, D], lse [Q, B, T], alpha [Q, S, B, T]; o[j] is `depth_softmax_mix` with queries[j]."""
+    return _BlockSoftmaxMix.apply(queries, len(values), *values, *inv_rms_)
+
+
+class _MergePartial(torch.autograd.Function):
+    """Phase 2 of two-phase Block AttnRes: one op's partial sum p joins its phase-1 mix as one more softmax term.
+
+    o [B, T, D] (phase 1's mix for this op), lse [B, T], p [B, T, D], r [B, T, 1] (1/rms(p)), query [D] ->
+    h [B, T, D] (o and p promoted), w [B, T] (not differentiable): with d = q . p, z = d r - lse,
+    w = sigmoid(z), h = o + w (p - o). Backward: g_o = (1 - w) g_h, g_z = w (1 - w) <g_h, p - o>,
+    g_p = w g_h + g_z r q, g_r = g_z d, g_lse = -g_z, g_q = g_z r p.
+    """
+
+    @staticmethod
+    def forward(ctx, o, lse, p, r, query):
+        out_dtype = torch.promote_types(o.dtype, p.dtype)
+        acc = torch.promote_types(out_dtype, torch.float32)
+        dot = (p @ query.to(p.dtype)).to(acc)                                      # [B, T]
+        w = torch.sigmoid(dot * r.squeeze(-1).to(acc) - lse)
+        h = torch.lerp(o.to(acc), p.to(acc), w.unsqueeze(-1))
+        ctx.save_for_backward(o, p, r, query, w, dot)
+        ctx.mark_non_differentiable(w)
+        return h.to(out_dtype), w
+
+    @staticmethod
+    def backward(ctx, g_h, _g_w):
+        o, p, r, query, w, dot = ctx.saved_tensors
+        acc = w.dtype
+        g_h = g_h.to(acc)
+        g_z = w * (1 - w) * torch.linalg.vecdot(g_h, p.to(acc) - o.to(acc))        # [B, T]
+        g_dot = g_z * r.squeeze(-1).to(acc)
+        g_o = (1 - w).unsqueeze(-1) * g_h
+        g_p = w.unsqueeze(-1) * g_h + g_dot.unsqueeze(-1) * query.to(acc)
+        g_q = g_dot.reshape(-1) @ p.reshape(-1, p.shape[-1]).to(acc)
+        return (g_o.to(o.dtype), -g_z, g_p.to(p.dtype), (g_z * dot).unsqueeze(-1).to(r.dtype),
+                g_q.to(query.dtype))
+
+
+def merge_partial(o: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, r: torch.Tensor, query: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2 (`_MergePartial`): o [B, T, D], lse [B, T], p [B, T, D], r [B, T, 1], query [D] -> h [B, T, D],
+    w [B, T] (the weight on p; op j's one-phase alphas are [alpha_j (1 - w), w])."""
+    return _MergePartial.apply(o, lse, p, r, query)
+
+
 @dataclass
 class DepthState:
     """What the stack carries between sublayers under AttnRes.
 
     sources: finished sources [embedding, b_1, b_2, ...], each [B, T, D]; inv_rms: their 1/rms [B, T, 1];
-    partial: sum of the outputs of the current, unfinished block (None when the block is empty)."""
+    partial: sum of the outputs of the current, unfinished block (None when the block is empty);
+    phase1: two-phase only, phase 1 of the current block's ops over `sources`: (o [Q, B, T, D], lse [Q, B, T])."""
     sources: list[torch.Tensor] = field(default_factory=list)
     inv_rms: list[torch.Tensor] = field(default_factory=list)
     partial: torch.Tensor | None = None
+    phase1: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttnResidual(DepthRecorder, nn.Module):
@@ -180,10 +288,13 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     n_sublayers AttnRes ops (op i forms the input of sublayer i) plus op n_sublayers, the final
     aggregation that `end` returns. Parameters: queries[i] [D] (zeros) and norms[i].weight [D] (ones),
-    all 1-D, so the optimizer's grouping rule sends them to AdamW.
+    all 1-D, so the optimizer's grouping rule sends them to AdamW. two_phase (kernels.attnres_two_phase):
+    each block's ops mix their completed sources together when the block opens (`block_softmax_mix`,
+    in `begin` and in the `write` that completes a block) and merge their partial sums one by one
+    (`merge_partial`); the depth recording (`record`) takes the one-phase mix.
     """
 
-    def __init__(self, cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float):
+    def __init__(self, cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float, two_phase: bool = False):
         super().__init__()
         if cfg.name not in ("full_attnres", "block_attnres"):
             raise ValueError(f"AttnResidual does not implement residual.name={cfg.name!r}")
@@ -191,6 +302,7 @@ class AttnResidual(DepthRecorder, nn.Module):
         if block_size < 1:
             raise ValueError(f"residual.block_size must be >= 1 (sublayers per block), got {block_size}")
         self.name = cfg.name
+        self.two_phase = two_phase
         self.block_size = block_size
         self.n_sublayers = n_sublayers
         self.eps = eps
@@ -217,7 +329,21 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     # --- the seam ---------------------------------------------------------------------------------
     def begin(self, embedding: torch.Tensor) -> DepthState:
-        return DepthState(sources=[embedding], inv_rms=[inv_rms(embedding, self.eps)])
+        return self._opened(DepthState(sources=[embedding], inv_rms=[inv_rms(embedding, self.eps)]), 0)
+
+    def query(self, op: int) -> torch.Tensor:
+        """Op `op`'s query against unnormalised sources: its pseudo-query times its RMSNorm weight, [D]."""
+        return self.queries[op] * self.norms[op].weight
+
+    def _opened(self, state: DepthState, first_op: int) -> DepthState:
+        """`state` at the start of the block whose first op is `first_op`; two-phase, with phase 1 of the ops
+        that see its sources: first_op up to the block's end or the final aggregation (op n_sublayers)."""
+        if not self.two_phase or self.record:
+            return state
+        ops = range(first_op, min(first_op + self.block_size, self.n_sublayers + 1))
+        o, lse, _ = block_softmax_mix(state.sources, state.inv_rms, torch.stack([self.query(op) for op in ops]))
+        state.phase1 = (o, lse)
+        return state
 
     # the mix function (values, inv_rms, query) -> (h, alpha); benchmarks swap in alternatives
     mix = staticmethod(depth_softmax_mix)
@@ -231,8 +357,13 @@ class AttnResidual(DepthRecorder, nn.Module):
         return values, scales
 
     def _mix(self, state: DepthState, op: int) -> torch.Tensor:
+        if state.phase1 is not None:
+            o, lse = (t[op % self.block_size] for t in state.phase1)
+            if state.partial is None:
+                return o
+            return merge_partial(o, lse, state.partial, inv_rms(state.partial, self.eps), self.query(op))[0]
         values, scales = self.op_inputs(state)
-        h, alpha = self.mix(values, scales, self.queries[op] * self.norms[op].weight)
+        h, alpha = self.mix(values, scales, self.query(op))
         if self.record:
             self.record_weights(op, self.source_columns(op), alpha)
         return h
@@ -248,8 +379,9 @@ class AttnResidual(DepthRecorder, nn.Module):
             self.record_rms("output_rms", sublayer, out)
         partial = out if state.partial is None else state.partial + out
         if (sublayer + 1) % self.block_size == 0:   # block complete: its sum becomes a source
-            return DepthState(state.sources + [partial], state.inv_rms + [inv_rms(partial, self.eps)], None)
-        return DepthState(state.sources, state.inv_rms, partial)
+            done = DepthState(state.sources + [partial], state.inv_rms + [inv_rms(partial, self.eps)], None)
+            return self._opened(done, sublayer + 1)
+        return DepthState(state.sources, state.inv_rms, partial, state.phase1)
 
     def end(self, state: DepthState) -> torch.Tensor:
         h = self._mix(state, self.n_sublayers)
@@ -261,4 +393,5 @@ class AttnResidual(DepthRecorder, nn.Module):
         return "final" if op == self.n_sublayers else sublayer_label(op)
 
     def extra_repr(self) -> str:
-        return f"{self.name}, block_size={self.block_size} sublayers, n_blocks={self.n_blocks}"
+        phases = ", two-phase" if self.two_phase else ""
+        return f"{self.name}, block_size={self.block_size} sublayers, n_blocks={self.n_blocks}{phases}"

@@ -77,7 +77,7 @@ class K3Model(nn.Module):
             mixer = KDA(cfg) if kind == "kda" else GatedMLA(cfg)
             self.sublayers.append(PreNorm(D, mixer, eps))
             self.sublayers.append(PreNorm(D, build_ffn(cfg, layer), eps))
-        self.residual = build_residual(cfg.residual, len(self.sublayers), D, eps)
+        self.residual = build_residual(cfg.residual, len(self.sublayers), D, eps, cfg.kernels.attnres_two_phase)
         self.norm = RMSNorm(D, eps)
         self.lm_head = nn.Linear(D, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -129,9 +129,11 @@ class StandardResidual(DepthRecorder, nn.Module):
         return state
 
 
-def build_residual(cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float) -> nn.Module:
+def build_residual(cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float,
+                   two_phase: bool = False) -> nn.Module:
+    """The residual seam for residual.name; two_phase (kernels.attnres_two_phase) goes to AttnResidual."""
     if cfg.name == "standard":
         return StandardResidual()
     from k3lab.model.attnres import AttnResidual
 
-    return AttnResidual(cfg, n_sublayers, d_model, eps)
+    return AttnResidual(cfg, n_sublayers, d_model, eps, two_phase)
