@@ -290,8 +290,10 @@ def launch_sites(events, top: int = 8) -> str:
 
     sites: dict[tuple[str, str], list] = {}  # (kernel kind, host chain) -> [microseconds, launches]
     for e in events:
-        hits = [(kind, k.duration) for k in getattr(e, "kernels", ()) for kind in GENERIC_KERNELS if kind in k.name]
-        if e.device_type != DeviceType.CPU or not hits:
+        if e.device_type != DeviceType.CPU:
+            continue
+        hits = [(kind, k.duration) for k in e.kernels for kind in GENERIC_KERNELS if kind in k.name]
+        if not hits:
             continue
         chain, op = [], e
         while op is not None:
