@@ -47,7 +47,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from benchmarks.kda_bench import saved_bytes
-from k3lab.config import GLUConfig, ModelConfig, ResidualConfig
+from k3lab.config import GLUConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3lab.model import attnres
 from k3lab.model.ffn import GLU
 from k3lab.model.norm import RMSNorm
@@ -525,7 +525,7 @@ def main(argv=None):
             tune_mix(args, device)
         return None
 
-    base = ModelConfig(n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
+    base = ModelConfig(n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab, moe=MoEConfig(name="dense"),
                        residual=ResidualConfig(name="standard", block_size=args.block_size))
     variants = args.variants.split(",")
     if args.impl_variants:
