@@ -328,7 +328,7 @@ def test_block_mix_is_the_one_phase_mix_of_each_query():
 
     def op(qs, *vs):
         o, lse, _ = block_softmax_mix(list(vs), [inv_rms(v, EPS) for v in vs], qs)
-        return o, lse
+        return *o, lse
 
     assert torch.autograd.gradcheck(op, (qs, *vs))
 
@@ -340,14 +340,14 @@ def test_merge_is_the_one_phase_mix_with_the_partial_appended():
     q = (2 * torch.randn(D, generator=torch.Generator().manual_seed(10), dtype=torch.float64)).requires_grad_()
     scales = [inv_rms(v, EPS) for v in vs]
     o, lse, _ = block_softmax_mix(vs, scales, q[None])
-    h, w = merge_partial(o[0], lse[0], p, inv_rms(p, EPS), q)
+    h, w = merge_partial(o[0], lse[0], p, q, EPS)
     want, alpha = depth_softmax_mix_autograd(vs + [p], scales + [inv_rms(p, EPS)], q)
     torch.testing.assert_close(h, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(w, alpha[-1], rtol=0, atol=1e-12)
     o1, lse1 = o[0].detach().requires_grad_(), (lse[0].detach() + 0.3).requires_grad_()
 
     def op(o, lse, p, q):
-        return merge_partial(o, lse, p, inv_rms(p, EPS), q)[0]
+        return merge_partial(o, lse, p, q, EPS)[0]
 
     assert torch.autograd.gradcheck(op, (o1, lse1, p, q))
 

@@ -34,8 +34,12 @@ of op j's logits; phase 2 (`merge_partial`) adds op j's partial sum p as one mor
 
     h_j = (1 - w_j) o_j + w_j p,    w_j = sigmoid(q_j . p / rms(p) - lse_j),
 
-which is the one-phase mix over [completed sources, p] rewritten. Here both phases are plain-PyTorch
-autograd functions (the reference); an op whose block has no partial sum yet takes o_j as it is.
+which is the one-phase mix over [completed sources, p] rewritten. Both phases are plain-PyTorch autograd
+functions here (the reference, and the CPU path) and fused Triton kernels on CUDA (kernels/attnres_block.py);
+an op whose block has no partial sum yet takes o_j as it is. Phase 1 returns the o_j as separate tensors and
+the merge computes 1/rms(p) itself, so on the fused kernels the two phases keep for backward what the one-phase
+mix keeps: each op's input (kept by its sublayer's norm anyway) and per merged op one [B, T, D], p - o in
+place of p.
 """
 from __future__ import annotations
 
@@ -161,7 +165,7 @@ def depth_softmax_mix(
     values the kernels support (`kernels.attnres.supported`: few enough sources, D small enough,
     bf16/fp16/fp32), torch otherwise.
     """
-    if impl == "triton" or (impl == "auto" and values[0].is_cuda):
+    if _wants_triton(impl, values[0]):
         from kernels import attnres as fused
 
         if fused.supported(values, inv_rms_, query):
@@ -169,17 +173,23 @@ def depth_softmax_mix(
         if impl == "triton":
             raise ValueError(f"the Triton AttnRes mix needs 1-{fused.MAX_SOURCES} sources of one shape "
                              f"[B, T, D <= {fused.MAX_D}] on one device, bf16/fp16/fp32 values, fp32 inv_rms")
-    elif impl not in ("auto", "torch"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     return _DepthSoftmaxMix.apply(query, len(values), *values, *inv_rms_)
+
+
+def _wants_triton(impl: str, x: torch.Tensor) -> bool:
+    """Whether `impl` asks for the fused kernels on input x: "triton", or "auto" with x on CUDA."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and x.is_cuda)
 
 
 class _BlockSoftmaxMix(torch.autograd.Function):
     """Phase 1 of two-phase Block AttnRes: Q ops over the same S sources in one pass.
 
-    queries [Q, D] (each w_j * g_j), values S x [B, T, D], scales S x [B, T, 1] (1/rms) -> o [Q, B, T, D]
-    (the values' promoted dtype), lse [Q, B, T] and alpha [Q, S, B, T] (accumulation dtype; alpha not
-    differentiable). With d_ji = q_j . v_i, l_ji = d_ji r_i, alpha = softmax_i(l), lse_j = logsumexp_i(l_ji):
+    queries [Q, D] (each w_j * g_j), values S x [B, T, D], scales S x [B, T, 1] (1/rms) -> (*o, lse, alpha):
+    o_j [B, T, D] for each query (the values' promoted dtype; views of one [Q, B, T, D] buffer here), lse
+    [Q, B, T] and alpha [Q, S, B, T] (accumulation dtype; alpha not differentiable).
+    With d_ji = q_j . v_i, l_ji = d_ji r_i, alpha = softmax_i(l), lse_j = logsumexp_i(l_ji):
       g_alpha_ji = <g_o_j, v_i>,  g_l_ji = alpha_ji (g_alpha_ji - sum_k alpha_jk g_alpha_jk + g_lse_j),
       g_v_i = sum_j (alpha_ji g_o_j + g_l_ji r_i q_j),  g_r_i = sum_j g_l_ji d_ji,  g_q_j = sum_i g_l_ji r_i v_i.
     """
@@ -198,14 +208,15 @@ class _BlockSoftmaxMix(torch.autograd.Function):
         ctx.n = n
         ctx.save_for_backward(queries, alpha, dots, *tensors)
         ctx.mark_non_differentiable(alpha)
-        return o.to(out_dtype), lse, alpha
+        return *o.to(out_dtype).unbind(0), lse, alpha
 
     @staticmethod
-    def backward(ctx, g_o, g_lse, _g_alpha):
+    def backward(ctx, *grads):
+        *g_o, g_lse, _g_alpha = grads
         queries, alpha, dots, *tensors = ctx.saved_tensors
         values, scales = tensors[:ctx.n], tensors[ctx.n:]
         acc = alpha.dtype
-        g_o = g_o.to(acc)
+        g_o = torch.stack(g_o).to(acc)                                              # [Q, B, T, D]
         g_alpha = torch.stack([torch.linalg.vecdot(g_o, v.to(acc)) for v in values], dim=1)     # [Q, S, B, T]
         # centred pairwise, as in _DepthSoftmaxMix
         centred = (alpha.unsqueeze(1) * (g_alpha.unsqueeze(2) - g_alpha.unsqueeze(1))).sum(2)
@@ -222,11 +233,27 @@ class _BlockSoftmaxMix(torch.autograd.Function):
         return (g_q.to(queries.dtype), None, *g_values, *g_scales)
 
 
-def block_softmax_mix(values: list[torch.Tensor], inv_rms_: list[torch.Tensor], queries: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Phase 1 (`_BlockSoftmaxMix`): values S x [B, T, D], inv_rms_ S x [B, T, 1], queries [Q, D] ->
-    o [Q, B, T, D], lse [Q, B, T], alpha [Q, S, B, T]; o[j] is `depth_softmax_mix` with queries[j]."""
-    return _BlockSoftmaxMix.apply(queries, len(values), *values, *inv_rms_)
+def block_softmax_mix(values: list[torch.Tensor], inv_rms_: list[torch.Tensor], queries: torch.Tensor,
+                      impl: str = "auto") -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Phase 1: values S x [B, T, D], inv_rms_ S x [B, T, 1], queries [Q, D] -> o (a list of Q [B, T, D]),
+    lse [Q, B, T], alpha [Q, S, B, T] (not differentiable); o[j] is `depth_softmax_mix` with queries[j].
+    impl: "torch" = `_BlockSoftmaxMix`; "triton" = the fused kernels of kernels/attnres_block.py (on CPU only
+    under TRITON_INTERPRET=1; o_j separate tensors, so holding one keeps no other alive, and neither o nor lse
+    kept for backward); "auto" = triton for CUDA inputs the kernels support (`kernels.attnres_block.supported`),
+    torch otherwise.
+    """
+    if _wants_triton(impl, values[0]):
+        from kernels import attnres_block as fused
+
+        if fused.supported(values, inv_rms_, queries):
+            return fused.block_mix_triton(values, inv_rms_, queries)
+        if impl == "triton":
+            raise ValueError(f"the Triton block AttnRes mix needs 1-{fused.MAX_SOURCES} sources of one shape "
+                             f"[B, T, D <= {fused.MAX_D}] on one device, bf16/fp16/fp32 values, fp32 inv_rms, and "
+                             f"queries [Q, D] with Q and D rounded up to powers of two multiplying to at most "
+                             f"{fused.MAX_QUERY_TILE}")
+    *o, lse, alpha = _BlockSoftmaxMix.apply(queries, len(values), *values, *inv_rms_)
+    return o, lse, alpha
 
 
 class _MergePartial(torch.autograd.Function):
@@ -263,11 +290,24 @@ class _MergePartial(torch.autograd.Function):
                 g_q.to(query.dtype))
 
 
-def merge_partial(o: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, r: torch.Tensor, query: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 2 (`_MergePartial`): o [B, T, D], lse [B, T], p [B, T, D], r [B, T, 1], query [D] -> h [B, T, D],
-    w [B, T] (the weight on p; op j's one-phase alphas are [alpha_j (1 - w), w])."""
-    return _MergePartial.apply(o, lse, p, r, query)
+def merge_partial(o: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, query: torch.Tensor, eps: float,
+                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: o [B, T, D], lse [B, T], p [B, T, D], query [D] -> h [B, T, D], w [B, T] (the weight on p, not
+    differentiable; op j's one-phase alphas are [alpha_j (1 - w), w]), with r = 1/rms(p) = `inv_rms(p, eps)`.
+    impl: "torch" = `_MergePartial` on `inv_rms(p, eps)`; "triton" = the fused kernels of
+    kernels/attnres_block.py, which compute r themselves and keep h, p - o and per-row scalars for backward,
+    not o and p; "auto" = triton for CUDA inputs the kernels support (`kernels.attnres_block.merge_supported`),
+    torch otherwise.
+    """
+    if _wants_triton(impl, o):
+        from kernels import attnres_block as fused
+
+        if fused.merge_supported(o, lse, p, query):
+            return fused.merge_triton(o, lse, p, query, eps)
+        if impl == "triton":
+            raise ValueError(f"the Triton AttnRes merge needs o and p of one shape [B, T, D <= {fused.MAX_D}] on "
+                             f"one device, bf16/fp16/fp32, fp32 lse")
+    return _MergePartial.apply(o, lse, p, inv_rms(p, eps), query)
 
 
 @dataclass
@@ -276,11 +316,12 @@ class DepthState:
 
     sources: finished sources [embedding, b_1, b_2, ...], each [B, T, D]; inv_rms: their 1/rms [B, T, 1];
     partial: sum of the outputs of the current, unfinished block (None when the block is empty);
-    phase1: two-phase only, phase 1 of the current block's ops over `sources`: (o [Q, B, T, D], lse [Q, B, T])."""
+    phase1: two-phase only, phase 1 of the current block's Q ops over `sources`: (o, a list of Q [B, T, D];
+    lse [Q, B, T]; the ops' queries [Q, D])."""
     sources: list[torch.Tensor] = field(default_factory=list)
     inv_rms: list[torch.Tensor] = field(default_factory=list)
     partial: torch.Tensor | None = None
-    phase1: tuple[torch.Tensor, torch.Tensor] | None = None
+    phase1: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
 
 class AttnResidual(DepthRecorder, nn.Module):
@@ -291,7 +332,10 @@ class AttnResidual(DepthRecorder, nn.Module):
     all 1-D, so the optimizer's grouping rule sends them to AdamW. two_phase (kernels.attnres_two_phase):
     each block's ops mix their completed sources together when the block opens (`block_softmax_mix`,
     in `begin` and in the `write` that completes a block) and merge their partial sums one by one
-    (`merge_partial`); the depth recording (`record`) takes the one-phase mix.
+    (`merge_partial`, with the rows of phase 1's stacked queries); the depth recording (`record`) takes the
+    one-phase mix. On the fused kernels this keeps for backward what the one-phase mix keeps (see
+    kernels/attnres_block.py): each op's input, kept by its sublayer's norm anyway, and per merged op one
+    [B, T, D], p - o in place of the partial sum p.
     """
 
     def __init__(self, cfg: ResidualConfig, n_sublayers: int, d_model: int, eps: float, two_phase: bool = False):
@@ -341,8 +385,9 @@ class AttnResidual(DepthRecorder, nn.Module):
         if not self.two_phase or self.record:
             return state
         ops = range(first_op, min(first_op + self.block_size, self.n_sublayers + 1))
-        o, lse, _ = block_softmax_mix(state.sources, state.inv_rms, torch.stack([self.query(op) for op in ops]))
-        state.phase1 = (o, lse)
+        queries = torch.stack([self.query(op) for op in ops])
+        o, lse, _ = block_softmax_mix(state.sources, state.inv_rms, queries)
+        state.phase1 = (o, lse, queries)
         return state
 
     # the mix function (values, inv_rms, query) -> (h, alpha); benchmarks swap in alternatives
@@ -358,10 +403,10 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     def _mix(self, state: DepthState, op: int) -> torch.Tensor:
         if state.phase1 is not None:
-            o, lse = (t[op % self.block_size] for t in state.phase1)
+            o, lse, query = (t[op % self.block_size] for t in state.phase1)
             if state.partial is None:
                 return o
-            return merge_partial(o, lse, state.partial, inv_rms(state.partial, self.eps), self.query(op))[0]
+            return merge_partial(o, lse, state.partial, query, self.eps)[0]
         values, scales = self.op_inputs(state)
         h, alpha = self.mix(values, scales, self.query(op))
         if self.record:
