@@ -20,7 +20,7 @@ comparison: `torch` (the hand-written torch autograd.Function, the CPU path, als
 (the op in plain autograd ops, no hand-written backward), `nocache` (1/rms of every source recomputed by
 every op), `stack` (torch.stack of the sources + RMSNorm + einsum, as in the paper's pseudocode) and
 `twophase` (`kernels.attnres_two_phase`: one pass over a block's completed sources for all its ops, then a
-merge per op, in torch ops).
+merge per op; fused kernels/attnres_block.py on CUDA, torch ops on the CPU).
 Any variant takes an implementation suffix, e.g. `--variants standard,block_attnres,block_attnres[torch]`.
 A second table times the residual alone (the seam driven by cheap elementwise sublayers), where the cost
 of the mix is not hidden by the layers. Instead of the tables, `--profile` lists the top kernels of
@@ -135,7 +135,7 @@ class AutogradMix(attnres.AttnResidual):
 
 
 class TwoPhaseMix(attnres.AttnResidual):
-    """Like AttnResidual with kernels.attnres_two_phase: phase 1 per block, a merge per op (torch ops)."""
+    """Like AttnResidual with kernels.attnres_two_phase: phase 1 per block, a merge per op."""
 
     def __init__(self, cfg, n_sublayers, d_model, eps):
         super().__init__(cfg, n_sublayers, d_model, eps, two_phase=True)
