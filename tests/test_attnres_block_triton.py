@@ -17,7 +17,7 @@ import torch
 from interpreted import run_interpreted
 from k3lab.model import attnres as attnres_module
 from k3lab.model.attnres import _BlockSoftmaxMix, _MergePartial, block_softmax_mix, inv_rms, merge_partial
-from test_attnres_triton import DTYPES, LIMIT, LIMIT_G_INV_RMS
+from test_attnres_triton import DTYPES, LIMIT, LIMIT_G_INV_RMS, errors
 
 BLOCK_NAMES = ["o", "lse", "alpha", "g_values", "g_inv_rms", "g_queries"]
 MERGE_NAMES = ["h", "w", "g_o", "g_lse", "g_p", "g_query"]
@@ -105,15 +105,6 @@ def merge_reference(o, lse, p, query):
 block_reference = partial(block_softmax_mix, impl="torch")
 fused_block_mix = partial(block_softmax_mix, impl="triton")
 fused_merge = partial(merge_partial, eps=EPS, impl="triton")
-
-
-def errors(names, got, ref) -> dict:
-    """name -> [(relative error, dtype name)], one entry per tensor."""
-    out = {}
-    for name, a, b in zip(names, got, ref):
-        pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
-        out[name] = [(((x.double() - y).norm() / y.norm().clamp_min(1e-30)).item(), str(x.dtype)) for x, y in pairs]
-    return out
 
 
 def launched(block_inputs, merge_inputs, programs=None) -> tuple[list, list]:
@@ -297,18 +288,18 @@ def _run_checks() -> dict:
     for name, (B, T, D, dtypes, Q) in BLOCK_CASES.items():
         inputs = make_block_inputs(B, T, D, dtypes, Q)
         got = block_results(fused_block_mix, *inputs)
-        out[f"block_{name}"] = errors(BLOCK_NAMES, got, block_results(block_reference, *inputs, dtype=torch.float64))
+        out[f"block_{name}"] = errors(got, block_results(block_reference, *inputs, dtype=torch.float64), BLOCK_NAMES)
     for name, case in MERGE_CASES.items():
         inputs = make_merge_inputs(*case)
         got = merge_results(fused_merge, *inputs)
         ref = merge_results(merge_reference, *inputs, dtype=torch.float64)
-        out[f"merge_{name}"] = errors(MERGE_NAMES, got, ref)
+        out[f"merge_{name}"] = errors(got, ref, MERGE_NAMES)
     block_inputs = make_block_inputs(1, 20, 40, ["fp32", "bf16", "bf16"], 3)
     merge_inputs = make_merge_inputs(2, 10, 40, "fp32", "bf16", 0.5)
     ref_block, ref_merge = launched(block_inputs, merge_inputs)
     got_block, got_merge = launched(block_inputs, merge_inputs, programs=3)
-    out["launch_block"] = errors(BLOCK_NAMES, got_block, ref_block)
-    out["launch_merge"] = errors(MERGE_NAMES, got_merge, ref_merge)
+    out["launch_block"] = errors(got_block, ref_block, BLOCK_NAMES)
+    out["launch_merge"] = errors(got_merge, ref_merge, MERGE_NAMES)
 
     values, scales, queries, g_o, g_lse = make_block_inputs(2, 8, 32, ["fp32", "bf16", "bf16"], 3)
     _, _, logits = block_mix_op(values, scales, queries)
@@ -458,7 +449,7 @@ def test_cuda_block_mix_matches_float64_reference(case):
     B, T, D, dtypes, Q = GPU_BLOCK_CASES[case]
     inputs = make_block_inputs(B, T, D, dtypes, Q, device="cuda")
     got = block_results(block_softmax_mix, *inputs)  # impl="auto": triton on CUDA
-    assert_close(errors(BLOCK_NAMES, got, block_results(block_reference, *inputs, dtype=torch.float64)))
+    assert_close(errors(got, block_results(block_reference, *inputs, dtype=torch.float64), BLOCK_NAMES))
 
 
 @pytest.mark.gpu
@@ -469,7 +460,7 @@ def test_cuda_merge_matches_float64_reference(case):
     inputs = make_merge_inputs(B, T, D, o_dtype, p_dtype, query_scale, device="cuda")
     got = merge_results(partial(merge_partial, eps=EPS), *inputs)  # impl="auto": triton on CUDA
     ref = merge_results(merge_reference, *inputs, dtype=torch.float64)
-    assert_close(errors(MERGE_NAMES, got, ref), torch.promote_types(PROMOTED[o_dtype], PROMOTED[p_dtype]))
+    assert_close(errors(got, ref, MERGE_NAMES), torch.promote_types(PROMOTED[o_dtype], PROMOTED[p_dtype]))
 
 
 @pytest.mark.gpu

@@ -62,10 +62,11 @@ def results_and_grads(fn, values, scales, query, g_h, dtype=None):
     return [h, alpha, grads[:n], grads[n:2 * n], grads[-1]]
 
 
-def errors(got, ref) -> dict:
-    """name -> [(relative error, dtype name)], one entry per tensor."""
+def errors(got, ref, names=NAMES) -> dict:
+    """name -> [(relative error, dtype name)], one entry per tensor; got and ref are lists of results in the
+    order of `names`, a tuple of tensors standing for one result."""
     out = {}
-    for name, a, b in zip(NAMES, got, ref):
+    for name, a, b in zip(names, got, ref):
         pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
         out[name] = [(((x.double() - y).norm() / y.norm().clamp_min(1e-30)).item(), str(x.dtype)) for x, y in pairs]
     return out
