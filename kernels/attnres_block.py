@@ -28,7 +28,7 @@ token row.
   g_v_i = sum_j (alpha_ji g_o_j + g_l_ji r_i q_j) without reading v_i and g_r_i = sum_j g_l_ji d_ji with
   d_ji = l_ji / r_i.
 - merge forward ``_merge_fwd``: one read of o and p, computes r itself (fp32, ``inv_rms``'s formula) and
-  writes h, w and delta = p - o [B, T, D] (promoted dtype) and z, r [B, T] fp32. Backward ``_merge_bwd`` (a
+  writes h (promoted dtype), w, delta = p - o [B, T, D] (p's dtype) and z, r [B, T] fp32. Backward ``_merge_bwd`` (a
   grid-stride loop over rows, for g_q's sum over rows), with p = h + (1 - w) delta and d = q . p rebuilt:
   g_z = w (1 - w) <g_h, delta>, g_o = (1 - w) g_h, g_lse = -g_z, g_q = sum_rows g_z r p and
   g_p = w g_h + g_z r q - g_r r^3 p / D with g_r = g_z d (the last term through r).
@@ -37,11 +37,12 @@ Saved for backward: phase 1 keeps its inputs (the sources, their 1/rms and the q
 and not lse; the merge keeps h (its output), delta, the per-row z and r and its query, not o and not p. Inside
 AttnResidual this is what the one-phase mixes of the block's ops keep, tensor for tensor: op j's input h_j (o_0
 for the first op, which keeps no other o_j alive as the o_j are separate tensors; the merge's h for the others)
-is kept by the next sublayer's RMSNorm anyway; each merged op keeps one [B, T, D] (delta where the one-phase mix
-keeps the partial sum p) and two [B, T] fp32 (z and r where it keeps p's logit and 1/rms(p)); the block keeps
-its queries [Q, D] (AttnResidual passes the merges rows of phase 1's queries) and logits [Q, S, B, T]. Cost: h
-and delta are rounded to the promoted dtype, so with bf16 o and p the gradients through g_z and the rebuilt p
-(g_lse, g_q and g_p's terms in q and p) carry bf16 rounding (about 3e-3 relative).
+is kept by the next sublayer's RMSNorm anyway; each merged op keeps one [B, T, D] in p's dtype (delta where the
+one-phase mix keeps the partial sum p: under bf16 autocast the sources are fp32 and p bf16, and delta in the
+promoted dtype would keep twice p's bytes) and two [B, T] fp32 (z and r where it keeps p's logit and 1/rms(p));
+the block keeps its queries [Q, D] (AttnResidual passes the merges rows of phase 1's queries) and logits
+[Q, S, B, T]. Cost: delta is rounded to p's dtype and h to the promoted one, so with bf16 p the gradients through
+g_z and the rebuilt p (g_lse, g_q and g_p's terms in q and p) carry bf16 rounding (about 3e-3 relative).
 Launch shapes as kernels/attnres.py's (`default_launch` over the [QP, BD] tile). On the H200 (D = 1024,
 16384 rows, bf16, S = 3, Q = 2, on top of commit e2c1fde; measured with the merge taking r as an input, phase 1
 writing o as one [Q, B, T, D] tensor and keeping lse): phase 1 forward 77 us, backward 196 us; merge forward
@@ -200,7 +201,7 @@ def _block_mix_bwd_values(rs, g_vs, queries, logits, g_os, g_lse, g_alpha, c_in,
 
 @triton.jit
 def _merge_fwd(o, lse, p, q, h, w, delta, z, r, N, D, eps, BD: tl.constexpr):
-    """o, p [N, D], lse [N] fp32, q [D] fp32 -> h = o + w (p - o) and delta = p - o [N, D] (promoted dtype),
+    """o, p [N, D], lse [N] fp32, q [D] fp32 -> h = o + w (p - o) [N, D] (promoted dtype), delta = p - o (p's dtype),
     w = sigmoid(z), z = (q . p) r - lse and r = 1 / sqrt(mean(p^2) + eps) [N] fp32. One token row per program."""
     row = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -329,13 +330,13 @@ def block_mix_backward(
 def _empty_merge(o, lse, p, query, eps):
     h = o.new_empty(o.shape, dtype=torch.promote_types(o.dtype, p.dtype))
     w, z, r = (o.new_empty(o.shape[:-1], dtype=torch.float32) for _ in range(3))
-    return h, w, torch.empty_like(h), z, r
+    return h, w, torch.empty_like(p, memory_format=torch.contiguous_format), z, r
 
 
 def merge_forward(o: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, query: torch.Tensor, eps: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch `_merge_fwd`: o, p [B, T, D], lse [B, T] fp32, query [D] -> h, delta = p - o [B, T, D] (dtype
-    promoted over o and p), w, z, r = 1/rms(p) [B, T] fp32."""
+    """Launch `_merge_fwd`: o, p [B, T, D], lse [B, T] fp32, query [D] -> h [B, T, D] (dtype promoted over o and
+    p), delta = p - o [B, T, D] (p's dtype), w, z, r = 1/rms(p) [B, T] fp32."""
     h, w, delta, z, r = _empty_merge(o, lse, p, query, eps)
     B, T, D = o.shape
     _merge_fwd[(B * T,)](o.contiguous(), lse.contiguous(), p.contiguous(), query.float().contiguous(), h, w, delta,

@@ -21,9 +21,9 @@ from test_attnres_triton import DTYPES, LIMIT, LIMIT_G_INV_RMS, errors
 
 BLOCK_NAMES = ["o", "lse", "alpha", "g_values", "g_inv_rms", "g_queries"]
 MERGE_NAMES = ["h", "w", "g_o", "g_lse", "g_p", "g_query"]
-# The merge keeps h and delta = p - o for backward in the dtype promoted over o and p, so the gradients that go
+# The merge keeps delta = p - o for backward in p's dtype (and h in the promoted one), so the gradients that go
 # through g_z = w (1 - w) <g_h, delta> and the rebuilt p = h + (1 - w) delta carry its rounding: their limit is
-# that dtype's, even where they are fp32 (g_p's own dtype is never finer than that one).
+# p's dtype's, even where they are fp32 (g_p's own dtype is p's).
 MERGE_THROUGH_DELTA = ("g_lse", "g_query")
 EPS = 1e-6
 
@@ -256,7 +256,9 @@ def stack_saved_bytes(block_size: int, dtype: str, device="cpu") -> dict:
     norms (fp32): {"two_phase": on the Triton phases, "one_phase": on the fused one-query mix
     (kernels/attnres.py)}. Each sublayer is an MLP, Linear -> tanh -> Linear, and the head a Linear: their first
     op keeps their input (as the model's RMSNorm does on CUDA; on CPU a bf16 RMSNorm keeps an fp32 copy instead),
-    nothing keeps a sublayer's output (the partial sums are new tensors)."""
+    nothing keeps a sublayer's output (the partial sums are new tensors). dtype "mixed" is bf16 autocast's
+    stream: the embedding and head fp32, each MLP bf16 behind an fp32 RMSNorm that keeps its input, so the
+    sources mix fp32 and bf16 and the partial sums are bf16."""
     from torch import nn
 
     from benchmarks.kda_bench import saved_bytes
@@ -266,10 +268,18 @@ def stack_saved_bytes(block_size: int, dtype: str, device="cpu") -> dict:
     D, n = 64, 8
     residuals = residual_pair(block_size, n, D, device)
     residuals[False].mix = partial(depth_softmax_mix, impl="triton")
-    sublayers = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D)) for _ in range(n))
+    mixed = dtype == "mixed"
+    stream, inner = (torch.float32, torch.bfloat16) if mixed else (DTYPES[dtype],) * 2
+
+    class NormToInner(nn.Module):
+        def forward(self, x):
+            return nn.functional.rms_norm(x, (D,)).to(inner)
+
+    sublayers = nn.ModuleList(nn.Sequential(*[NormToInner()] * mixed, nn.Linear(D, 2 * D), nn.Tanh(),
+                                            nn.Linear(2 * D, D)) for _ in range(n))
     head = nn.Linear(D, D)
-    sublayers, head = sublayers.to(device, DTYPES[dtype]), head.to(device, DTYPES[dtype])
-    emb = torch.randn(2, 9, D, device=device, dtype=DTYPES[dtype], requires_grad=True)
+    sublayers, head = sublayers.to(device, inner), head.to(device, stream)
+    emb = torch.randn(2, 9, D, device=device, dtype=stream, requires_grad=True)
     params = [*sublayers.parameters(), *head.parameters(), *residuals[True].parameters(),
               *residuals[False].parameters()]
 
@@ -320,7 +330,7 @@ def _run_checks() -> dict:
     for block_size in (2, 3):
         out[f"stack_block_size_{block_size}"] = stack_mismatches(block_size)
     for block_size in (2, 3):
-        for dtype in ("bf16", "fp32"):
+        for dtype in ("bf16", "fp32", "mixed"):
             out[f"saved_bytes_block_size_{block_size}_{dtype}"] = stack_saved_bytes(block_size, dtype)
     return out
 
@@ -353,10 +363,9 @@ def test_interpreter_block_mix_matches_float64_reference(results, case):
 @pytest.mark.parametrize("case", list(MERGE_CASES))
 def test_interpreter_merge_matches_float64_reference(results, case):
     """The merge against `_MergePartial` on r = inv_rms(p): h, w and every gradient (g_p through r too) within
-    1e-4 (fp32 results) or 1e-2 (bf16 results), relative; g_lse and g_query within the limit of the dtype h and
-    delta = p - o are kept in."""
-    _, _, _, o_dtype, p_dtype, _ = MERGE_CASES[case]
-    assert_close(results[f"merge_{case}"], torch.promote_types(PROMOTED[o_dtype], PROMOTED[p_dtype]))
+    1e-4 (fp32 results) or 1e-2 (bf16 results), relative; g_lse and g_query within the limit of p's dtype, which
+    delta = p - o is kept in."""
+    assert_close(results[f"merge_{case}"], PROMOTED[MERGE_CASES[case][4]])
 
 
 @pytest.mark.parametrize("phase,g_query", [("block", "g_queries"), ("merge", "g_query")])
@@ -391,12 +400,13 @@ def test_interpreter_residual_stack_compiles_fullgraph(results, block_size):
     assert results[f"stack_block_size_{block_size}"] == {"frames": 1, "mismatches": [], "one_phase_mismatches": []}
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "mixed"])
 @pytest.mark.parametrize("block_size", [2, 3])
 def test_interpreter_two_phase_stack_keeps_no_more_than_one_phase(results, block_size, dtype):
     """An 8-sublayer AttnRes stack keeps no more bytes for backward with the two Triton phases than with the fused
     one-phase mix: phase 1's o_j are separate tensors (the block's first op, holding o_0, keeps no other alive)
-    and the merge keeps delta = p - o where the one-phase mix keeps p."""
+    and the merge keeps delta = p - o, in p's dtype, where the one-phase mix keeps p (with fp32 sources and bf16
+    partial sums, "mixed", delta in the promoted dtype would keep twice p's bytes)."""
     saved = results[f"saved_bytes_block_size_{block_size}_{dtype}"]
     assert saved["two_phase"] <= saved["one_phase"], saved
 
@@ -460,7 +470,7 @@ def test_cuda_merge_matches_float64_reference(case):
     inputs = make_merge_inputs(B, T, D, o_dtype, p_dtype, query_scale, device="cuda")
     got = merge_results(partial(merge_partial, eps=EPS), *inputs)  # impl="auto": triton on CUDA
     ref = merge_results(merge_reference, *inputs, dtype=torch.float64)
-    assert_close(errors(got, ref, MERGE_NAMES), torch.promote_types(PROMOTED[o_dtype], PROMOTED[p_dtype]))
+    assert_close(errors(got, ref, MERGE_NAMES), PROMOTED[p_dtype])
 
 
 @pytest.mark.gpu
