@@ -2,6 +2,7 @@
 
     python -m benchmarks.muon_bench trainer=gpu model=small model.d_model=1024 model.n_layers=12 moe.n_experts=16
     python -m benchmarks.muon_bench trainer=gpu model=small --variants "optim=muon_per_head,optim=muon"
+    python -m benchmarks.muon_bench trainer=gpu model=small --variants ",optim.ns_method=gram"
     python -m benchmarks.muon_bench trainer=cpu                      # the tiny default model: a smoke test
 
 The positional arguments are run.py's Hydra overrides; --variants as in benchmarks.step (override sets
@@ -13,12 +14,14 @@ clock elsewhere), on the same parameters, gradients and state:
   step        Muon.step(): every group, what training runs
   momentum    the Muon groups' momentum and weight decay, foreach ops (Muon.momentum)
   directions  every bucket's directions written into its Newton-Schulz batch (Muon.bucket_directions)
-  ns          newton_schulz_iterations of every bucket (the Frobenius norms included)
+  ns          newton_schulz_iterations of every bucket (the Frobenius norms included), by the group's ns_method
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
   rest        step minus the parts above: the updates' adds into the parameters
 
 ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over its time,
-and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). elementwise GB/s: the bytes momentum
+and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). The count is the standard iteration's,
+so under optim.ns_method=gram, which does fewer FLOPs, it is the rate the standard iteration would need to
+run at to take the same time, comparable across variants. elementwise GB/s: the bytes momentum
 and directions move (7 passes over the Muon parameters' elements for momentum: scaled, added to, the decay;
 3 for the Nesterov direction, 2 for heavy ball's copy) over their time. Parts stay comparable across variants of one call: optim=muon (one matrix per
 weight) against optim=muon_per_head (one per head block) is the cost of the per-head switch.
@@ -59,15 +62,16 @@ def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
     for group in muon:
         heads = [h if group["per_head"] else 0 for h in group["head_blocks"]]
         batches += [(group, b) for b in buckets(group["params"], heads)]
-    stacks = [(opt.bucket_directions(g, g["params"], b), g["ns_steps"]) for g, b in batches]
-    shapes = [(*s.shape, it) for s, it in stacks]
+    stacks = [opt.bucket_directions(g, g["params"], b) for g, b in batches]
+    shapes = [(*s.shape, g["ns_steps"]) for s, (g, _) in zip(stacks, batches)]
     passes = {True: 10, False: 9}  # momentum scaled (2) and added to (3), decay (2); the direction (3) or copy (2)
     moved = sum(passes[g["nesterov"]] * p.numel() * p.element_size() for g in muon for p in g["params"])
     parts = {
         "step": opt.step,
         "momentum": lambda: [opt.momentum(g, g["params"]) for g in muon],
         "directions": lambda: [opt.bucket_directions(g, g["params"], b) for g, b in batches],
-        "ns": lambda: [newton_schulz_iterations(s, it) for s, it in stacks],
+        "ns": lambda: [newton_schulz_iterations(s, g["ns_steps"], method=g["ns_method"])
+                       for s, (g, _) in zip(stacks, batches)],
         "adamw": lambda: [opt._adamw_step(g) for g in adamw],
     }
     return parts, shapes, moved

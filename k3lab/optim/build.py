@@ -83,7 +83,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr * cfg.lr_scale, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
-             per_head=cfg.name == "muon_per_head",
+             ns_method=cfg.ns_method, per_head=cfg.name == "muon_per_head",
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
         dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
         dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
