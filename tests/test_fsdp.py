@@ -102,7 +102,7 @@ def _worker(rank: int, port: int) -> None:
         opt, ref_opt = Muon(sharded_groups), Muon(ref_groups)
         calls = []
         iterations = muon_module.newton_schulz_iterations
-        muon_module.newton_schulz_iterations = lambda x, *args: calls.append(len(x)) or iterations(x, *args)
+        muon_module.newton_schulz_iterations = lambda x, *args, **kw: calls.append(len(x)) or iterations(x, *args, **kw)
         for step in range(2):  # the second step reads the momentum and Adam moments kept on the shards
             for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
                 q.grad = draw(q, name, step)
