@@ -15,7 +15,8 @@ date and machine: ``benchmarks/RESULTS.md``.
 - ``kda_train_check``: the fused kernels inside training, the loss curve and step time of each variant (backend, compile).
 - ``attnres_bench``: residual options (standard, block and full AttnRes), step time and activation
   memory; ``--profile`` and ``--tune`` for the fused mix kernels.
-- ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop.
+- ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop; ``--experts`` the
+  routed experts alone, compiled grouped matmuls (checkpointed or not) against the fused kernels.
 - ``muon_bench``: the optimizer step of a config's model on random gradients, whole and by part, against
   its roofline.
 - ``qb_lag``: trains with a probe that splits Quantile Balancing's MaxVio into its causes.

@@ -1,23 +1,35 @@
-"""MoE layer forward+backward: grouped-matmul dispatch vs a per-expert Python loop.
+"""MoE layer forward+backward: grouped-matmul dispatch vs a per-expert Python loop; the routed experts alone
+in their checkpointed forms.
 
     python -m benchmarks.moe_bench                      # CUDA, bf16, 64-256 experts, top-8
+    python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
     python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
-Both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent projections);
-only the expert matmuls differ: `grouped` = three torch._grouped_mm calls over all experts, `loop` =
-one matmul triple per expert with tokens (host sync for the segment sizes). Prints one table row per
+Layer rows: both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent
+projections); only the expert matmuls differ: `grouped` = three torch._grouped_mm calls over all experts,
+`loop` = one matmul triple per expert with tokens (host sync for the segment sizes). One table row per
 (shape, dispatch): milliseconds per forward+backward, tokens/s, and loop time / grouped time.
+
+--experts: GroupedExperts alone at the K3 default's expert shape (64 experts of width 256 and hidden
+1,408, SiTU; 262,144 (token, expert) pairs: batch 8 x 4,096, top-8), forward + backward with every
+weight's gradient, uniformly random routing. Forms: `grouped` (torch.compile'd: Inductor fuses the GLU,
+keeps gate and up), `grouped, checkpointed` (compiled, under torch.utils.checkpoint: what
+kernels.checkpoint_experts ran before the fused kernels) and `fused, checkpointed` (kernels.grouped_glu,
+what MoE runs for checkpoint_experts on CUDA). Per form: ms, the peak memory above the inputs, the largest
+relative error of the output and gradients against eager `grouped`, and the time over the compiled
+checkpointed form's. On the CPU (--small) the forms run eager, fused only under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
-from k3lab.model.moe import MoE
+from k3lab.model.moe import GroupedExperts, MoE
 
 
 @dataclass
@@ -82,6 +94,62 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
+EXPERT_FORMS = ("grouped", "grouped, checkpointed", "fused, checkpointed")
+
+
+def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
+    """The --experts table (module docstring): one row per form that runs on this device."""
+    n, width, hidden, pairs = (8, 16, 24, 512) if small else (64, 256, 1408, 262_144)
+    torch.manual_seed(0)
+    experts = GroupedExperts(n, width, hidden, GLUConfig(name="situ")).to(device, dtype)
+    counts = torch.bincount(torch.randint(0, n, (pairs,), device=device), minlength=n)
+    xs = torch.randn(pairs, width, device=device, dtype=dtype)
+    dy = torch.randn(pairs, width, device=device, dtype=dtype) * 1e-2
+    dispatch = "grouped" if grouped_available(device, dtype) else "loop"
+    cuda = device.startswith("cuda")
+    compiled = torch.compile if cuda else (lambda fn: fn)
+    forms = {
+        "grouped": compiled(lambda x: experts(x, counts, dispatch)),
+        "grouped, checkpointed": compiled(lambda x: torch.utils.checkpoint.checkpoint(
+            experts, x, counts, dispatch, use_reentrant=False)),
+        "fused, checkpointed": lambda x: experts.fused(x, counts)}
+    if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        del forms["fused, checkpointed"]
+
+    def fwd_bwd(fn) -> list[torch.Tensor]:
+        x = xs.detach().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        y = fn(x)
+        y.backward(dy)
+        return [y.detach().float(), x.grad.float()] + [w.grad.float() for w in (experts.w1, experts.w2, experts.w3)]
+
+    reference = fwd_bwd(lambda x: experts(x, counts, dispatch))
+    rows = []
+    for form, fn in forms.items():
+        error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fwd_bwd(fn), reference))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        for _ in range(warmup):
+            fwd_bwd(fn)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fwd_bwd(fn)
+        sync(device)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+        rows.append(dict(form=form, ms=(time.perf_counter() - t0) / iters * 1e3, peak_gib=peak, max_rel_error=error))
+    anchor = next(r["ms"] for r in rows if r["form"] == "grouped, checkpointed")
+    print(f"routed experts alone: {n} experts, width {width}, hidden {hidden}, {pairs:,} pairs, SiTU, "
+          f"{str(dtype).removeprefix('torch.')}, {device}; forward + backward, mean of {iters}\n")
+    print("| form | ms | peak GiB above inputs | max rel. error vs eager grouped | time / grouped, checkpointed |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        r["ratio"] = r["ms"] / anchor
+        print(f"| {r['form']} | {r['ms']:.3f} | {r['peak_gib']:.2f} | {r['max_rel_error']:.1e} | {r['ratio']:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.moe_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,11 +158,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     iters = args.iters or (2 if args.small else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
+    if args.experts:
+        return experts_rows(args.device, dtype, args.small, iters, warmup)
     has_grouped = grouped_available(args.device, dtype)
     torch.manual_seed(0)
 

@@ -43,3 +43,14 @@ def test_benchmark_runs_on_cpu():
     assert any(r["experts"] >= 64 and r["top_k"] == 8 for r in rows)
     for r in rows:
         assert math.isnan(r["max_abs_diff"]) or r["max_abs_diff"] < 1e-5
+
+
+def test_experts_benchmark_runs_on_cpu(capsys):
+    """--experts --small on the CPU: the two torch forms, each against eager grouped (fp32: within 1e-6; the
+    checkpointed form reruns the same ops), the table with the checkpointed form as the anchor."""
+    from benchmarks import moe_bench as bench
+
+    rows = bench.main(["--device", "cpu", "--small", "--experts", "--iters", "1", "--warmup", "0"])
+    assert [r["form"] for r in rows] == ["grouped", "grouped, checkpointed"]
+    assert all(r["ms"] > 0 and r["max_rel_error"] < 1e-6 for r in rows) and rows[1]["ratio"] == 1.0
+    assert "| grouped, checkpointed |" in capsys.readouterr().out

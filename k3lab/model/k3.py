@@ -59,7 +59,8 @@ def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
         return GLU(cfg.width, matched_dense_hidden(cfg.width, cfg.moe, cfg.ffn_hidden), cfg.glu,
                    recompute_glu=recompute_glu)
     return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden,
-               checkpoint_experts=cfg.kernels.checkpoint_experts, recompute_glu=recompute_glu)
+               checkpoint_experts=cfg.kernels.checkpoint_experts, recompute_glu=recompute_glu,
+               backend=cfg.kernels.backend)
 
 
 class K3Model(nn.Module):

@@ -15,8 +15,9 @@ matrix, alpha times as many, alpha times as many active).
 
 Expert weights are stacked [n_experts, out, in] (dim 0 indexes experts; Muon treats each 3-D stack's
 slices [out, in] as matrices of their own). Dispatch sorts the k*m (token, expert)
-pairs by expert and runs each of the three GLU matmuls as one grouped matmul (`torch._grouped_mm`,
-CUDA bf16), or, elsewhere, as a loop over the experts' contiguous segments.
+pairs by expert and runs each of the three GLU matmuls as one grouped matmul (`torch._grouped_mm`, CUDA
+bf16), or, elsewhere, as a loop over the experts' contiguous segments; checkpointed experts on CUDA run
+as fused Triton kernels instead (`kernels.grouped_glu`: grouped GEMMs with the GLU in their epilogues).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from k3lab.model.norm import RMSNorm
 from k3lab.model.router import Router, Routing, build_balancer, expert_load, max_violation, score_entropy
 from k3lab.switches import check_option
 from k3lab.model.tags import tag
+from kernels.grouped_glu import grouped_glu, triton_available
+
+DISPATCHES = ("auto", "fused", "grouped", "loop")
 
 
 def default_expert_hidden(d_model: int, top_k: int, ffn_hidden: int | None = None) -> int:
@@ -62,9 +66,10 @@ def matched_dense_hidden(d_model: int, moe: MoEConfig, ffn_hidden: int | None = 
     return max(8, int(round(latent_norm_active_params(d_model, moe, ffn_hidden) / (3 * d_model) / 8)) * 8)
 
 
-def grouped_mm_usable(x: torch.Tensor, *dims: int) -> bool:
-    """torch._grouped_mm's fast kernel: CUDA, bf16, rows 16-byte aligned (every dim a multiple of 8)."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+def grouped_mm_usable(x: torch.Tensor, *dims: int, dtype: torch.dtype | None = None) -> bool:
+    """torch._grouped_mm's fast kernel for x (in `dtype`, default its own): CUDA, bf16, rows 16-byte aligned
+    (every dim a multiple of 8)."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and (dtype or x.dtype) == torch.bfloat16
             and all(d % 8 == 0 for d in dims))
 
 
@@ -74,11 +79,18 @@ class GroupedExperts(nn.Module):
     w1, w2 [n, h, w] (gate, up), w3 [n, w, h] (out; tagged `output_proj`); Muon orthogonalises each
     expert's slice of these 3-D stacks on its own.
     E_e(x) = w3[e] glu_combine(w1[e] x, w2[e] x).
+
+    Dispatch (`forward`'s argument): fused (kernels.grouped_glu: checkpointed by construction, for
+    `recompute` only), grouped (three torch._grouped_mm and the GLU in PyTorch) or loop (per expert). auto
+    picks fused for recompute where grouped_mm_usable holds and `backend` (kernels.backend) is auto, or
+    always under backend triton (CPU tensors only under TRITON_INTERPRET=1); else grouped where usable,
+    else loop.
     """
 
-    def __init__(self, n: int, width: int, hidden: int, glu: GLUConfig, init_std: float = 0.02):
+    def __init__(self, n: int, width: int, hidden: int, glu: GLUConfig, init_std: float = 0.02,
+                 backend: str = "auto"):
         super().__init__()
-        self.n, self.width, self.hidden, self.glu = n, width, hidden, glu
+        self.n, self.width, self.hidden, self.glu, self.backend = n, width, hidden, glu, backend
         self.w1 = nn.Parameter(torch.empty(n, hidden, width))
         self.w2 = nn.Parameter(torch.empty(n, hidden, width))
         self.w3 = nn.Parameter(torch.empty(n, width, hidden))
@@ -92,17 +104,40 @@ class GroupedExperts(nn.Module):
         self.w2.normal_(0.0, std)
         self.w3.normal_(0.0, std * out_scale)
 
+    def resolve(self, xs: torch.Tensor, dispatch: str, recompute: bool) -> str:
+        """The dispatch that runs xs [M, w] for the requested one; recompute: the experts are checkpointed."""
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch={dispatch!r}; valid: {', '.join(DISPATCHES)}")
+        if dispatch != "auto":
+            return dispatch
+        if recompute and self.backend == "triton":
+            return "fused"
+        usable = grouped_mm_usable(xs, self.width, self.hidden, dtype=self.run_dtype(xs))
+        if recompute and usable and self.backend == "auto" and triton_available():
+            return "fused"
+        return "grouped" if usable else "loop"
+
+    @staticmethod
+    def run_dtype(xs: torch.Tensor) -> torch.dtype:
+        """The dtype the experts run xs in: the autocast dtype under bf16-mixed, else xs's own."""
+        if torch.is_autocast_enabled(xs.device.type):
+            return torch.get_autocast_dtype(xs.device.type)
+        return xs.dtype
+
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, dispatch: str = "auto") -> torch.Tensor:
-        """xs [M, w] sorted by expert, counts [n] (int64, sum M) -> [M, w]."""
-        if torch.is_autocast_enabled(xs.device.type):  # bf16-mixed: run the experts in the autocast dtype
-            xs = xs.to(torch.get_autocast_dtype(xs.device.type))
-        if dispatch == "auto":
-            dispatch = "grouped" if grouped_mm_usable(xs, self.width, self.hidden) else "loop"
-        if dispatch == "grouped":
-            return self._grouped(xs, counts)
-        if dispatch == "loop":
-            return self._loop(xs, counts)
-        raise ValueError(f"dispatch={dispatch!r}; valid: auto, grouped, loop")
+        """xs [M, w] sorted by expert, counts [n] (int64, sum M) -> [M, w]; dispatch by `resolve` for
+        experts that are not checkpointed (auto: grouped or loop)."""
+        dispatch = self.resolve(xs, dispatch, recompute=False)
+        xs = xs.to(self.run_dtype(xs))
+        if dispatch == "fused":
+            return self.fused(xs, counts)
+        return self._grouped(xs, counts) if dispatch == "grouped" else self._loop(xs, counts)
+
+    def fused(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts through kernels.grouped_glu: the autograd graph keeps xs alone (see its docstring)."""
+        xs = xs.to(self.run_dtype(xs))
+        w1, w2, w3 = (w.to(xs.dtype) for w in (self.w1, self.w2, self.w3))
+        return grouped_glu(xs, counts, w1, w2, w3, self.glu.name == "situ", self.glu.b1, self.glu.b2)
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -129,16 +164,21 @@ def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing,
 
     The m*k (token, expert) pairs are sorted by expert (stable), run through the experts as grouped
     matmuls over contiguous segments, put back in (token, slot) order and summed with the weights.
-    checkpoint_experts: the experts run under torch.utils.checkpoint, so the backward reruns their gate
-    and up matmuls from the gathered input instead of keeping gate, up and the GLU output ([m*k, hidden]
-    each: top_k times a dense FFN's activations).
+    checkpoint_experts: the backward reruns the experts' gate and up matmuls from the gathered input
+    instead of keeping gate, up and the GLU output ([m*k, hidden] each: top_k times a dense FFN's
+    activations): inside the fused kernels where GroupedExperts.resolve picks them, else with the experts
+    under torch.utils.checkpoint.
     """
     m, k = routing.idx.shape
     flat = routing.idx.reshape(-1)                       # [m*k] expert of each pair
     order = torch.argsort(flat, stable=True)            # pairs sorted by expert
     counts = expert_load(routing.idx, experts.n)         # [n] pairs per expert, fixed size: one graph
     xs = h[order // k]                                   # [m*k, w] in sorted order
-    if checkpoint_experts and torch.is_grad_enabled():   # nothing random inside: no RNG state to keep
+    recompute = checkpoint_experts and torch.is_grad_enabled()
+    dispatch = experts.resolve(xs, dispatch, recompute)
+    if dispatch == "fused":
+        ys = experts.fused(xs, counts)
+    elif recompute:  # nothing random inside: no RNG state to keep
         ys = checkpoint(experts, xs, counts, dispatch, use_reentrant=False, preserve_rng_state=False)
     else:
         ys = experts(xs, counts, dispatch)
@@ -153,7 +193,8 @@ class MoE(nn.Module):
     """Stable LatentMoE FFN: x [B, T, D] -> y [B, T, D]. See the module docstring for the options.
 
     Expert hidden width: moe.expert_hidden, or (0) the dense FFN width `ffn_hidden` / moe.top_k.
-    recompute_glu (kernels.recompute_glu) goes to the shared experts' GLU; checkpoint_experts covers the routed ones.
+    recompute_glu (kernels.recompute_glu) goes to the shared experts' GLU; checkpoint_experts covers the routed ones;
+    backend (kernels.backend) picks their dispatch (GroupedExperts).
 
     After forward: `aux_loss` (0-dim; non-zero only for balance=aux, training mode). Once per optimizer
     step, after it: `update_bias()`. Logging: `stats()`.
@@ -161,7 +202,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, moe: MoEConfig, glu: GLUConfig, balance: BalanceConfig,
                  eps: float = 1e-6, ffn_hidden: int | None = None, checkpoint_experts: bool = False,
-                 recompute_glu: bool = False):
+                 recompute_glu: bool = False, backend: str = "auto"):
         super().__init__()
         if moe.name in ("dense", "dense_matched"):
             raise ValueError(f"moe={moe.name} is a dense GLU FFN (k3lab.model.k3.build_ffn); build GLU, not MoE")
@@ -175,11 +216,11 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = moe.n_experts * scale, moe.top_k * scale
         self.width = d_model // alpha
         self.hidden = moe.expert_hidden or default_expert_hidden(d_model, moe.top_k, ffn_hidden)
-        self.dispatch = "auto"  # auto | grouped (torch._grouped_mm) | loop; an attribute, set it to compare
+        self.dispatch = "auto"  # DISPATCHES (GroupedExperts); an attribute, set it to compare
         self.checkpoint_experts = checkpoint_experts  # kernels.checkpoint_experts (dispatch_combine)
 
         self.router = Router(d_model, self.n_experts, self.top_k, moe.router_init_std)
-        self.experts = GroupedExperts(self.n_experts, self.width, self.hidden, glu)
+        self.experts = GroupedExperts(self.n_experts, self.width, self.hidden, glu, backend=backend)
         self.shared = (GLU(d_model, self.hidden * moe.n_shared, glu, recompute_glu=recompute_glu)
                        if moe.n_shared > 0 else None)
         if self.latent:
