@@ -3,6 +3,7 @@ in their checkpointed forms.
 
     python -m benchmarks.moe_bench                      # CUDA, bf16, 64-256 experts, top-8
     python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
+    python -m benchmarks.moe_bench --tune               # the fused experts' launch table, swept there
     python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
 Layer rows: both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent
@@ -18,6 +19,11 @@ kernels.checkpoint_experts ran before the fused kernels) and `fused, checkpointe
 what MoE runs for checkpoint_experts on CUDA). Per form: ms, the peak memory above the inputs, the largest
 relative error of the output and gradients against eager `grouped`, and the time over the compiled
 checkpointed form's. On the CPU (--small) the forms run eager, fused only under TRITON_INTERPRET=1.
+
+--tune: the fused kernels alone at the same shape (kernels.grouped_glu: glu_fwd, glu_bwd), every launch
+configuration of TUNE_SPACE (tiles BM x BN, K step BK, warps, stages; for the backward also where dh comes
+from), each checked against the launch table's result and timed; prints the fastest rows per kernel and
+the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --small).
 """
 from __future__ import annotations
 
@@ -72,14 +78,7 @@ def time_fwd_bwd(moe: MoE, x: torch.Tensor, iters: int, warmup: int) -> float:
         moe.zero_grad(set_to_none=True)
         x.grad = None
         moe(x).float().square().mean().backward()
-    for _ in range(warmup):
-        step()
-    sync(x.device.type)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    sync(x.device.type)
-    return (time.perf_counter() - t0) / iters * 1e3
+    return timed_ms(step, x.device.type, iters, warmup)
 
 
 def grouped_available(device: str, dtype: torch.dtype) -> bool:
@@ -95,16 +94,76 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
 
 
 EXPERT_FORMS = ("grouped", "grouped, checkpointed", "fused, checkpointed")
+# --tune's grid: every combination, less those whose tiles exceed 128 x 128 (out of shared memory on the H200)
+TUNE_SPACE = dict(BM=(64, 128), BN=(64, 128), BK=(64, 128), num_warps=(4, 8), num_stages=(2, 3),
+                  dh=("kernel", "grouped_mm"))
+SMALL_TUNE_SPACE = dict(BM=(16,), BN=(16, 32), BK=(16,), num_warps=(1,), num_stages=(1,), dh=("kernel", "grouped_mm"))
 
 
-def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
-    """The --experts table (module docstring): one row per form that runs on this device."""
+def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor]:
+    """The experts, counts, xs and dy of --experts and --tune (module docstring)."""
     n, width, hidden, pairs = (8, 16, 24, 512) if small else (64, 256, 1408, 262_144)
     torch.manual_seed(0)
     experts = GroupedExperts(n, width, hidden, GLUConfig(name="situ")).to(device, dtype)
     counts = torch.bincount(torch.randint(0, n, (pairs,), device=device), minlength=n)
     xs = torch.randn(pairs, width, device=device, dtype=dtype)
     dy = torch.randn(pairs, width, device=device, dtype=dtype) * 1e-2
+    return experts, counts, xs, dy
+
+
+def timed_ms(fn, device: str, iters: int, warmup: int) -> float:
+    """Mean milliseconds of fn() over iters calls after warmup."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6) -> list[dict]:
+    """The --tune table (module docstring): one row per kernel and launch configuration that ran."""
+    import itertools
+
+    from kernels import grouped_glu as gg
+
+    experts, counts, xs, dy = expert_inputs(device, dtype, small)
+    w1, w2, w3 = (w.detach() for w in (experts.w1, experts.w2, experts.w3))
+    calls = {"fwd": lambda cfg: [gg.glu_fwd(xs, counts, w1, w2, w3, 4.0, 25.0, True, cfg)],
+             "bwd": lambda cfg: list(gg.glu_bwd(xs, dy, counts, w1, w2, w3, 4.0, 25.0, True, cfg))}
+    space = SMALL_TUNE_SPACE if small else TUNE_SPACE
+    rows = []
+    for kernel, call in calls.items():
+        want = call(gg.LAUNCH[kernel])
+        keys = [k for k in space if kernel == "bwd" or k != "dh"]
+        for values in itertools.product(*(space[k] for k in keys)):
+            cfg = dict(zip(keys, values))
+            if cfg["BM"] * cfg["BN"] > 128 * 128:
+                continue
+            try:
+                got = call(cfg)
+            except Exception as err:  # noqa: BLE001 - a configuration the compiler refuses (resources) is skipped
+                print(f"{kernel} {cfg}: {type(err).__name__}")
+                continue
+            error = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
+            rows.append(dict(kernel=kernel, launch=cfg, default=cfg == gg.LAUNCH[kernel], max_rel_error=error,
+                             ms=timed_ms(lambda: call(cfg), device, iters, warmup)))
+    print("| kernel | launch | ms | max rel. error vs the launch table's |\n|---|---|---:|---:|")
+    for kernel in calls:
+        ranked = sorted((r for r in rows if r["kernel"] == kernel), key=lambda r: r["ms"])
+        for r in ranked[:top] + [r for r in ranked[top:] if r["default"]]:
+            print(f"| {kernel} | {r['launch']}{' (table)' if r['default'] else ''} | {r['ms']:.3f} | "
+                  f"{r['max_rel_error']:.1e} |")
+    return rows
+
+
+def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
+    """The --experts table (module docstring): one row per form that runs on this device."""
+    experts, counts, xs, dy = expert_inputs(device, dtype, small)
+    (pairs, width), (n, hidden, _) = xs.shape, experts.w1.shape
     dispatch = "grouped" if grouped_available(device, dtype) else "loop"
     cuda = device.startswith("cuda")
     compiled = torch.compile if cuda else (lambda fn: fn)
@@ -130,15 +189,9 @@ def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmu
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        for _ in range(warmup):
-            fwd_bwd(fn)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fwd_bwd(fn)
-        sync(device)
+        ms = timed_ms(lambda: fwd_bwd(fn), device, iters, warmup)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
-        rows.append(dict(form=form, ms=(time.perf_counter() - t0) / iters * 1e3, peak_gib=peak, max_rel_error=error))
+        rows.append(dict(form=form, ms=ms, peak_gib=peak, max_rel_error=error))
     anchor = next(r["ms"] for r in rows if r["form"] == "grouped, checkpointed")
     print(f"routed experts alone: {n} experts, width {width}, hidden {hidden}, {pairs:,} pairs, SiTU, "
           f"{str(dtype).removeprefix('torch.')}, {device}; forward + backward, mean of {iters}\n")
@@ -159,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
+    ap.add_argument("--tune", action="store_true", help="sweep the fused experts' launch table (docstring)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
@@ -166,6 +220,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
     if args.experts:
         return experts_rows(args.device, dtype, args.small, iters, warmup)
+    if args.tune:
+        return tune_rows(args.device, dtype, args.small, iters, warmup)
     has_grouped = grouped_available(args.device, dtype)
     torch.manual_seed(0)
 

@@ -14,7 +14,7 @@ the autograd graph keeps the inputs alone and the backward recomputes gate and u
   from one pass over x's row block, then h = f(g) c(u) written once in x's dtype (g and u never reach
   memory); torch._grouped_mm runs h through W3.
 - backward ``_glu_bwd``: per tile, dh = dy W3[e] and g, u again, all three in one pass over the row blocks
-  of dy and x; the epilogue writes h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in
+  of dy and x (or dh from one torch._grouped_mm before it: the launch table's `dh`); the epilogue writes h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in
   one [M, 2H] tensor, so that dx = [dg du] [W1; W2] and [dW1; dW2] = [dg du]^T x are one grouped GEMM each
   (torch._grouped_mm), and dW3 = dy^T h another.
 
@@ -44,13 +44,15 @@ except ImportError:  # Triton is a Linux-only dependency (pyproject): elsewhere 
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Tile of the hidden layer per program (rows BM of one expert's segment x hidden units BN), the K step BK
-# over the width W, warps and pipeline stages. Both the best of 32 configurations (BM, BN, BK in 64, 128;
-# 4 or 8 warps; fully unrolled K loops or not) on the H200 at the K3 default's shapes: 1.52 ms forward,
-# 4.27 ms backward (the kernels alone).
+# over the width W, warps and pipeline stages; for the backward, where dh comes from (`glu_bwd`). Both the
+# best of 32 configurations with dh from the kernel (BM, BN, BK in 64, 128; 4 or 8 warps; 3 stages) on the
+# H200 at the K3 default's shapes: 1.52 ms forward, 4.27 ms backward, the kernels alone.
+# `python -m benchmarks.moe_bench --tune` sweeps both kernels, dh from torch._grouped_mm included.
 LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
-          "bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3)}
+          "bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, dh="kernel")}
+DH_SOURCES = ("kernel", "grouped_mm")  # LAUNCH["bwd"]["dh"]: see `glu_bwd`
 
-__all__ = ["LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
+__all__ = ["DH_SOURCES", "LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -152,8 +154,9 @@ def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2,
 
 
 @jit
-def _glu_bwd(x, dy, w1, w2, w3, h, dgu, tile_expert, tile_start, tile_end, H, W, b1, b2,
-             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end, H, W, b1, b2,
+             SITU: tl.constexpr, DH_IN: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
     e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
     if idle:
         return
@@ -164,14 +167,19 @@ def _glu_bwd(x, dy, w1, w2, w3, h, dgu, tile_expert, tile_start, tile_end, H, W,
     dh = tl.zeros((BM, BN), tl.float32)
     g = tl.zeros((BM, BN), tl.float32)
     u = tl.zeros((BM, BN), tl.float32)
+    out = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
     for k in range(0, W, BK):
         kmask = (k + ks) < W
-        dh = tl.dot(_operand(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0), GPU),
-                    _operand(tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), GPU), dh)
+        if not DH_IN:
+            dh = tl.dot(_operand(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0), GPU),
+                        _operand(tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), GPU),
+                        dh)
         g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
+    if DH_IN:
+        dh = tl.load(dh_in + out, mask=omask, other=0.0).to(tl.float32)
     fg, dfg, cu, dcu = _glu_parts(g, u, b1, b2, SITU, GPU)
-    omask = rmask[:, None] & cmask[None, :]
-    tl.store(h + rows.to(tl.int64)[:, None] * H + cols[None, :], (fg * cu).to(h.dtype.element_ty), mask=omask)
+    tl.store(h + out, (fg * cu).to(h.dtype.element_ty), mask=omask)
     both = rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
     tl.store(dgu + both, (dh * cu * dfg).to(dgu.dtype.element_ty), mask=omask)
     tl.store(dgu + both + H, (dh * fg * dcu).to(dgu.dtype.element_ty), mask=omask)
@@ -200,16 +208,22 @@ def glu_fwd(xs: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: 
 def glu_bwd(xs: Tensor, dy: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: float, b2: float,
             situ: bool, block: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients (dxs [M, W], dw1, dw2 [n, H, W], dw3 [n, W, H]) of `glu_fwd`'s y for its cotangent dy
-    [M, W]. block: as ``LAUNCH["bwd"]``."""
+    [M, W]. block: as ``LAUNCH["bwd"]``, whose `dh` says where dh = dy W3[e] comes from: "kernel" (inside
+    ``_glu_bwd``, three products per tile) or "grouped_mm" (torch._grouped_mm first, [M, H] in xs's dtype,
+    which ``_glu_bwd`` reads in its epilogue beside its two products)."""
     cfg = LAUNCH["bwd"] if block is None else block
     xs, dy, w1, w2, w3 = (t.contiguous() for t in (xs, dy, w1, w2, w3))
     (M, W), (n, H, _) = xs.shape, w1.shape
+    if cfg["dh"] not in DH_SOURCES:
+        raise ValueError(f"launch dh={cfg['dh']!r}; valid: {', '.join(DH_SOURCES)}")
     h, dgu = xs.new_empty(M, H), xs.new_empty(M, 2 * H)
+    offs = _offsets(counts)
+    dh = torch._grouped_mm(dy, w3, offs=offs) if cfg["dh"] == "grouped_mm" else xs.new_empty(0)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
     _glu_bwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
-        xs, dy, w1, w2, w3, h, dgu, expert, start, end, H, W, b1, b2, SITU=situ, GPU=xs.is_cuda, BM=cfg["BM"],
-        BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    offs = _offsets(counts)
+        xs, dy, w1, w2, w3, dh, h, dgu, expert, start, end, H, W, b1, b2, SITU=situ, DH_IN=dh.numel() > 0,
+        GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     dxs = torch._grouped_mm(dgu, torch.cat([w1, w2], 1), offs=offs)     # [dg du] [W1; W2]
     dw12 = torch._grouped_mm(dgu.t(), xs, offs=offs)                    # [n, 2H, W]
     dw3 = torch._grouped_mm(dy.t(), h, offs=offs)                       # [n, W, H]

@@ -18,15 +18,19 @@ from k3lab.model.ffn import glu_combine
 
 NAMES = ["y", "dx", "dw1", "dw2", "dw3"]
 LIMIT = {"torch.float32": 1e-5, "torch.bfloat16": 2e-2}
-TILE16 = dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1)
+TILE16 = dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1, dh="kernel")
 # name: (counts, width W, hidden H, GLU, dtype, launch or None for LAUNCH). Counts: expert 1 gets nothing,
 # 5 rows fill part of one tile, 17 spill one row into a second, 40 end inside their third; W = H = 40
-# leave a tail of 8 past tiles of 16 in the K loop and the hidden units.
+# leave a tail of 8 past tiles of 16 in the K loop and the hidden units. dh: where the backward's dy W3[e]
+# comes from (kernels.grouped_glu.glu_bwd).
 CASES = {
     "situ_fp32_tile16": ([5, 0, 17, 40], 40, 40, "situ", "float32", TILE16),
     "swiglu_fp32_tile16": ([5, 0, 17, 40], 40, 40, "swiglu", "float32", TILE16),
     "situ_fp32_default_launch": ([3, 30, 0, 9], 32, 48, "situ", "float32", None),
     "situ_bf16_tile16": ([5, 0, 17, 40], 32, 48, "situ", "bfloat16", TILE16),
+    "situ_fp32_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 40, 40, "situ", "float32", dict(TILE16, dh="grouped_mm")),
+    "swiglu_bf16_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 32, 48, "swiglu", "bfloat16",
+                                            dict(TILE16, dh="grouped_mm")),
 }
 
 
@@ -140,6 +144,11 @@ def _run_checks() -> dict:
                       "ops_in_graph": all("k3lab.grouped_glu_fwd" in g.code for g in counter.graphs),
                       "mismatches": [n for n, a, b in zip(NAMES, compiled, eager) if not torch.allclose(a, b)]}
     out["moe_triton"] = moe_against_loop("triton")
+
+    from benchmarks import moe_bench
+
+    rows = moe_bench.main(["--device", "cpu", "--small", "--tune", "--iters", "1", "--warmup", "0"])
+    out["tune"] = [{k: r[k] for k in ("kernel", "launch", "max_rel_error")} for r in rows]
     return out
 
 
@@ -179,6 +188,26 @@ def test_moe_with_checkpointed_experts_runs_the_fused_op_on_backend_triton(resul
     gradients that pass the latent RMSNorm's backward differ by up to 4e-5)."""
     assert results["moe_triton"]["fused_calls"] == 1
     assert results["moe_triton"]["max_error"] < 1e-4, results["moe_triton"]
+
+
+def test_launch_sweep_runs_every_configuration_and_checks_it(results):
+    """benchmarks.moe_bench --tune --small: the forward at each of its 2 launch configurations, the backward at
+    4 (two tile widths, dh from the kernel or from torch._grouped_mm), each within fp32 rounding of the launch
+    table's result."""
+    rows = results["tune"]
+    assert sorted((r["kernel"], r["launch"]["BN"], r["launch"].get("dh")) for r in rows) == [
+        ("bwd", 16, "grouped_mm"), ("bwd", 16, "kernel"), ("bwd", 32, "grouped_mm"), ("bwd", 32, "kernel"),
+        ("fwd", 16, None), ("fwd", 32, None)]
+    assert all(r["max_rel_error"] < 1e-5 for r in rows), rows
+
+
+def test_unknown_dh_source_is_refused():
+    from kernels.grouped_glu import LAUNCH, glu_bwd
+
+    x = torch.zeros(4, 8)
+    w = torch.zeros(2, 8, 8)
+    with pytest.raises(ValueError, match="launch dh='gemm'; valid: kernel, grouped_mm"):
+        glu_bwd(x, x, torch.tensor([1, 3]), w, w, w, 4.0, 25.0, True, dict(LAUNCH["bwd"], dh="gemm"))
 
 
 @pytest.mark.parametrize("backend,checkpoint,want", [("auto", True, "loop"), ("torch", True, "loop"),

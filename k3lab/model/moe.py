@@ -80,11 +80,10 @@ class GroupedExperts(nn.Module):
     expert's slice of these 3-D stacks on its own.
     E_e(x) = w3[e] glu_combine(w1[e] x, w2[e] x).
 
-    Dispatch (`forward`'s argument): fused (kernels.grouped_glu: checkpointed by construction, for
-    `recompute` only), grouped (three torch._grouped_mm and the GLU in PyTorch) or loop (per expert). auto
-    picks fused for recompute where grouped_mm_usable holds and `backend` (kernels.backend) is auto, or
-    always under backend triton (CPU tensors only under TRITON_INTERPRET=1); else grouped where usable,
-    else loop.
+    Dispatch (`resolve`): fused (kernels.grouped_glu, checkpointed by construction), grouped (three
+    torch._grouped_mm and the GLU in PyTorch) or loop (per expert). auto picks fused only for checkpointed
+    experts: where grouped_mm_usable holds and `backend` (kernels.backend) is auto, or always under backend
+    triton (CPU tensors only under TRITON_INTERPRET=1); else grouped where usable, else loop.
     """
 
     def __init__(self, n: int, width: int, hidden: int, glu: GLUConfig, init_std: float = 0.02,
@@ -128,9 +127,9 @@ class GroupedExperts(nn.Module):
         """xs [M, w] sorted by expert, counts [n] (int64, sum M) -> [M, w]; dispatch by `resolve` for
         experts that are not checkpointed (auto: grouped or loop)."""
         dispatch = self.resolve(xs, dispatch, recompute=False)
-        xs = xs.to(self.run_dtype(xs))
         if dispatch == "fused":
             return self.fused(xs, counts)
+        xs = xs.to(self.run_dtype(xs))
         return self._grouped(xs, counts) if dispatch == "grouped" else self._loop(xs, counts)
 
     def fused(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
