@@ -124,6 +124,7 @@ class KernelsConfig:
     keep_intra: bool = False        # triton, with recompute_chunks: keep At and P too, so the rerun skips the intra kernel
     checkpoint_kda: bool = False    # any backend: rerun the short convs and KDA call in the backward, keep their inputs
     checkpoint_experts: bool = False  # rerun the routed experts' GLUs in the backward, keep only their input
+    keep_experts: int = 0           # with checkpoint_experts: the last N MoE layers keep their experts' activations
     recompute_glu: bool = False     # dense GLU FFNs: rebuild W3's input in the backward, keep only W1 x and W2 x
     attnres_two_phase: bool = False  # block_attnres: each block's ops mix their completed sources in one pass, then merge their partial sums
     ce_chunk: int = 0               # tokens per chunk of the LM head's cross-entropy; 0 = 2**26 // vocab
@@ -187,6 +188,12 @@ class ModelConfig:
         if self.kernels.attnres_two_phase and self.residual.name != "block_attnres":
             raise ConfigError(f"kernels.attnres_two_phase=true acts with residual=block_attnres only "
                               f"(residual={self.residual.name}: no block holds more than one op): set it false")
+        if self.kernels.keep_experts < 0:
+            raise ConfigError(f"kernels.keep_experts={self.kernels.keep_experts} must be >= 0 (MoE layers, counted "
+                              f"from the last, whose experts are not checkpointed)")
+        if self.kernels.keep_experts and not self.kernels.checkpoint_experts:
+            raise ConfigError("kernels.keep_experts acts with kernels.checkpoint_experts=true only (without it no "
+                              "layer checkpoints its experts): set both, or neither")
         if self.kernels.keep_intra and not self.kernels.recompute_chunks:
             raise ConfigError("kernels.keep_intra=true acts with kernels.recompute_chunks=true only (without it the "
                               "forward keeps At and P anyway): set both, or neither")

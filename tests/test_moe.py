@@ -158,6 +158,31 @@ def test_checkpoint_experts_reaches_every_moe_layer_from_the_config():
         assert flags and all(f is on for f in flags)
 
 
+@pytest.mark.parametrize("keep,first_dense,want", [(0, 0, [True] * 5), (2, 0, [True] * 3 + [False] * 2),
+                                                   (2, 1, [True] * 2 + [False] * 2), (5, 0, [False] * 5)])
+def test_keep_experts_leaves_the_last_moe_layers_unchecked(keep, first_dense, want):
+    """kernels.keep_experts=N: with checkpoint_experts, the MoE layers among the last N keep their experts'
+    activations (not checkpointed); the others still checkpoint. first_dense layers have no MoE."""
+    from k3lab.config import KernelsConfig, ModelConfig, MoEConfig
+    from k3lab.model import K3Model
+
+    cfg = ModelConfig(n_layers=5, vocab_size=64, moe=MoEConfig(first_dense=first_dense),
+                      kernels=KernelsConfig(checkpoint_experts=True, keep_experts=keep))
+    model = K3Model(cfg)
+    assert [m.checkpoint_experts for m in model.modules() if isinstance(m, MoE)] == want
+
+
+@pytest.mark.parametrize("kernels,message", [
+    (dict(checkpoint_experts=True, keep_experts=-1), "kernels.keep_experts=-1 must be >= 0"),
+    (dict(keep_experts=2), "kernels.keep_experts acts with kernels.checkpoint_experts=true only")])
+def test_keep_experts_refuses_what_it_cannot_do(kernels, message):
+    from k3lab.config import KernelsConfig, ModelConfig
+    from k3lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(n_layers=2, vocab_size=64, kernels=KernelsConfig(**kernels)).validate()
+
+
 def test_256_experts_loop_dispatch():
     moe = build("latent_norm", d=64, n=64, k=2, alpha=4)     # scaled: 256 experts, top-8
     assert (moe.n_experts, moe.top_k, moe.width) == (256, 8, 16)

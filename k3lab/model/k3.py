@@ -51,16 +51,17 @@ def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
     """The FFN of one layer: the dense GLU of width ffn_hidden (moe=dense, and the first moe.first_dense
     layers of the other options), a dense GLU with the active parameters of a latent_norm MoE layer
     (moe=dense_matched: width matched_dense_hidden), or the MoE. kernels.recompute_glu reaches every GLU
-    built here, the MoE's shared experts included."""
+    built here, the MoE's shared experts included; kernels.checkpoint_experts every MoE but those of the
+    last kernels.keep_experts layers."""
     recompute_glu = cfg.kernels.recompute_glu
     if cfg.moe.name == "dense" or layer < cfg.moe.first_dense:
         return GLU(cfg.width, cfg.ffn_hidden, cfg.glu, recompute_glu=recompute_glu)
     if cfg.moe.name == "dense_matched":
         return GLU(cfg.width, matched_dense_hidden(cfg.width, cfg.moe, cfg.ffn_hidden), cfg.glu,
                    recompute_glu=recompute_glu)
+    checkpoint_experts = cfg.kernels.checkpoint_experts and layer < cfg.n_layers - cfg.kernels.keep_experts
     return MoE(cfg.width, cfg.moe, cfg.glu, cfg.balance, cfg.norm_eps, ffn_hidden=cfg.ffn_hidden,
-               checkpoint_experts=cfg.kernels.checkpoint_experts, recompute_glu=recompute_glu,
-               backend=cfg.kernels.backend)
+               checkpoint_experts=checkpoint_experts, recompute_glu=recompute_glu, backend=cfg.kernels.backend)
 
 
 class K3Model(nn.Module):
