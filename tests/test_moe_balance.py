@@ -96,6 +96,27 @@ def test_qb_iters_moves_the_bias_to_the_batch_fixed_point(m, n, k):
         QuantileBalance(n, k, bins=64, iters=2)
 
 
+def test_qb_update_takes_the_forward_cutoffs_without_routing_again(monkeypatch):
+    """One exact update (iters=1) over three micro-batches: the bias is bitwise the quantile of the margins
+    against cutoffs routed afresh, and the update itself runs no top-k (it reads the forward's cutoffs)."""
+    from k3lab.model import router
+
+    m, n, k = 2100, 64, 8
+    s = skewed_scores(m, n, seed=3)
+    bias = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(4))
+    qb = QuantileBalance(n, k)
+    for part in torch.split(torch.arange(m), 700):
+        qb.observe(route(s[part], bias, k), bias)
+    topk_calls = []
+    real_topk = torch.topk
+    monkeypatch.setattr(router.torch, "topk", lambda *a, **kw: topk_calls.append(1) or real_topk(*a, **kw))
+    got = qb.update(bias)
+    assert topk_calls == []
+    monkeypatch.setattr(router.torch, "topk", real_topk)
+    want = qb_raw_bias(s, bias, k)
+    assert torch.equal(got, want - want.mean())
+
+
 @pytest.mark.parametrize("m,n,k", [(4096, 32, 8), (3000, 256, 8), (999, 8, 2)])
 def test_qb_histogram_matches_exact(m, n, k):
     s = skewed_scores(m, n, seed=3)

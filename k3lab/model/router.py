@@ -173,7 +173,8 @@ def centre(bias: torch.Tensor) -> torch.Tensor:
 
 class QuantileBalance:
     """b_j <- -quantile_{1-k/n}(s_:j - alpha), mean-centred (K3 eqs. 13-14); exact or histogram (bins > 0).
-    iters: updates per step on the step's scores, each with the cutoffs of the previous one's bias."""
+    iters: updates per step on the step's scores, each with the cutoffs of the previous one's bias; the
+    first takes the cutoffs the forward routed with (kept beside the scores: no second top-k)."""
 
     def __init__(self, n: int, k: int, bins: int = 0, iters: int = 1):
         if iters < 1 or (bins and iters > 1):
@@ -183,15 +184,15 @@ class QuantileBalance:
         self.reset()
 
     def reset(self) -> None:
-        self.scores: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []  # per micro-batch [m, n + 1]: the scores, then the cutoff
         self.counts: torch.Tensor | None = None
         self.range: tuple[float, float] | None = None
         self.m = 0
 
     def observe(self, routing: Routing, bias: torch.Tensor) -> None:
         self.m += routing.scores.shape[0]
-        if self.bins == 0:
-            self.scores.append(routing.scores.detach())
+        if self.bins == 0:  # the scores with the cutoff alpha as one more column: one gather across ranks
+            self.rows.append(torch.cat([routing.scores.detach(), routing.cutoff[:, None]], 1))
             return
         if self.range is None:
             self.range = qb_hist_range(bias)
@@ -206,16 +207,20 @@ class QuantileBalance:
         if m == 0:
             return None
         if self.bins == 0:
-            local = torch.cat(self.scores) if self.scores else torch.empty(0, self.n, device=device)
+            local = torch.cat(self.rows) if self.rows else torch.empty(0, self.n + 1, device=device)
             pooled = all_gather_rows(local.float(), pad_value=-math.inf)
             if is_distributed():
                 # drop the padding rows of shorter ranks (a boolean index: a host sync, as the row count above
                 # already is; on one process there is no padding and no sync); rows of non-finite scores stay,
                 # so a NaN step gives a NaN bias (found at the training module's next read), not an empty quantile
                 pooled = pooled[pooled[:, 0] != -math.inf]
+            scores, cutoff = pooled[:, :-1], pooled[:, -1]
+            margins = scores - cutoff[:, None]  # qb_margins of the forward's routing
             b = bias.float()
-            for _ in range(self.iters):
-                b = centre(-qb_quantile_exact(qb_margins(route(pooled, b, self.k)), self.k))
+            for i in range(self.iters):
+                if i:
+                    margins = qb_margins(route(scores, b, self.k))
+                b = centre(-qb_quantile_exact(margins, self.k))
             return b.to(bias.dtype)
         counts = self.counts
         if counts is None:  # this rank saw no tokens; join the all-reduce with zeros
