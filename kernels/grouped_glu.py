@@ -78,11 +78,13 @@ def tile_schedule(counts: Tensor, block_m: int, rows: int) -> tuple[Tensor, Tens
 
 
 @jit
-def _operand(t, GPU: tl.constexpr):
-    """A tl.dot operand: as loaded on the GPU; in fp32 under the interpreter, whose bf16 tl.dot is wrong."""
+def _dot(a, b, acc, GPU: tl.constexpr):
+    """acc + a b: the operands as loaded on the GPU, where fp32 ones multiply in full fp32 (not TF32); in fp32
+    under the interpreter, whose bf16 tl.dot is wrong."""
     if not GPU:
-        t = t.to(tl.float32)
-    return t
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @jit
@@ -129,10 +131,10 @@ def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constex
 @jit
 def _gate_up_step(x_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU: tl.constexpr):
     """g, u += x's [BM, BK] block at k times the [BK, BN] tiles of w1[e]^T and w2[e]^T there."""
-    a = _operand(tl.load(x_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0), GPU)
+    a = tl.load(x_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0)
     wmask = kmask[:, None] & cmask[None, :]
-    g = tl.dot(a, _operand(tl.load(w1 + w_at + k, mask=wmask, other=0.0), GPU), g)
-    u = tl.dot(a, _operand(tl.load(w2 + w_at + k, mask=wmask, other=0.0), GPU), u)
+    g = _dot(a, tl.load(w1 + w_at + k, mask=wmask, other=0.0), g, GPU)
+    u = _dot(a, tl.load(w2 + w_at + k, mask=wmask, other=0.0), u, GPU)
     return g, u
 
 
@@ -173,9 +175,8 @@ def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end
     for k in range(0, W, BK):
         kmask = (k + ks) < W
         if not DH_IN:
-            dh = tl.dot(_operand(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0), GPU),
-                        _operand(tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), GPU),
-                        dh)
+            dh = _dot(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0),
+                      tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), dh, GPU)
         g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
     if DH_IN:
         dh = tl.load(dh_in + out, mask=omask, other=0.0).to(tl.float32)
