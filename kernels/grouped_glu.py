@@ -215,7 +215,7 @@ def glu_bwd(xs: Tensor, dy: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: 
     which ``_glu_bwd`` reads in its epilogue beside its two products)."""
     cfg = LAUNCH["bwd"] if block is None else block
     xs, dy, w1, w2, w3 = (t.contiguous() for t in (xs, dy, w1, w2, w3))
-    (M, W), (n, H, _) = xs.shape, w1.shape
+    (M, W), H = xs.shape, w1.shape[1]
     if cfg["dh"] not in DH_SOURCES:
         raise ValueError(f"launch dh={cfg['dh']!r}; valid: {', '.join(DH_SOURCES)}")
     h, dgu = xs.new_empty(M, H), xs.new_empty(M, 2 * H)
@@ -250,8 +250,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
-    dxs, dw1, dw2, dw3 = grouped_glu_bwd_op(*ctx.saved_tensors[:1], dy, *ctx.saved_tensors[1:], ctx.b1, ctx.b2,
-                                            ctx.situ)
+    xs, counts, w1, w2, w3 = ctx.saved_tensors
+    dxs, dw1, dw2, dw3 = grouped_glu_bwd_op(xs, dy, counts, w1, w2, w3, ctx.b1, ctx.b2, ctx.situ)
     return dxs, None, dw1, dw2, dw3, None, None, None
 
 
