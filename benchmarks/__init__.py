@@ -1,8 +1,8 @@
 """k3lab benchmarks. Each is a module run from the repo root as ``python -m benchmarks.<name> ...``
 (``--help`` lists its options); each prints its table to the terminal. ``conv_bench``, ``kda_bench``,
-``kda_train_check``, ``muon_bench``, ``qb_lag`` and ``step`` also write it to ``--out PATH``; the two that
-train (``kda_train_check``, ``qb_lag``) leave run directories. Measured tables, with command, commit,
-date and machine: ``benchmarks/RESULTS.md``.
+``kda_train_check``, ``kernel_resources``, ``muon_bench``, ``qb_lag`` and ``step`` also write it to
+``--out PATH``; the two that train (``kda_train_check``, ``qb_lag``) leave run directories. Measured tables,
+with command, commit, date and machine: ``benchmarks/RESULTS.md``.
 
 - ``kda_bench``: KDA kernels, forward and forward+backward time of ours vs fla's ``chunk_kda``, the
   plain PyTorch path and causal SDPA; ``--check`` bf16 accuracy, ``--profile`` per-kernel GPU time.
@@ -17,6 +17,8 @@ date and machine: ``benchmarks/RESULTS.md``.
   memory; ``--profile`` and ``--tune`` for the fused mix kernels.
 - ``moe_bench``: MoE layer forward+backward, grouped-matmul dispatch vs a per-expert loop; ``--experts`` the
   routed experts alone, compiled grouped matmuls (checkpointed or not) against the fused kernels.
+- ``kernel_resources``: the fused experts' kernels compiled for sm_90 without a GPU, per launch configuration:
+  shared memory, programs per SM, pipelined loads, wgmma.
 - ``muon_bench``: the optimizer step of a config's model on random gradients, whole and by part, against
   its roofline.
 - ``qb_lag``: trains with a probe that splits Quantile Balancing's MaxVio into its causes.

@@ -242,6 +242,23 @@ def test_tile_schedule_covers_each_segment_once_without_spanning_experts():
         assert busy[:len(want)].all() and not busy[len(want):].any()
 
 
+def test_kernel_resources_of_the_launch_table(tmp_path):
+    """benchmarks.kernel_resources (the kernels compiled for sm_90 here, without a GPU): every kernel of the
+    launch table runs its products on wgmma with pipelined loads; the backward that computes dh itself needs
+    more shared memory than the one that reads it (three operand tiles a K step against two); programs per
+    SM follow from the shared memory; the table goes to --out."""
+    pytest.importorskip("triton.backends.nvidia")
+    from benchmarks.kernel_resources import SM_SHARED_KIB, main
+
+    rows = main(["--out", str(tmp_path / "resources.md")])
+    assert [(r["kernel"], r["launch"].get("dh")) for r in rows] == [("fwd", None), ("bwd", "kernel"),
+                                                                      ("bwd", "grouped_mm")]
+    assert all(r["pipelined"] and r["wgmma"] for r in rows), rows
+    assert rows[1]["shared_kib"] > rows[2]["shared_kib"] > 0
+    assert all(r["programs_per_sm"] == int(SM_SHARED_KIB // r["shared_kib"]) for r in rows)
+    assert (tmp_path / "resources.md").read_text().count("| yes | yes |") == 3
+
+
 # --- CUDA ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,0 +1,94 @@
+"""What the fused experts' kernels (kernels/grouped_glu.py) ask of an H100/H200 per launch configuration, found
+without a GPU: each kernel compiled for sm_90 by the installed Triton, whose CUDA backend runs on any machine.
+
+    python -m benchmarks.kernel_resources                  # the launch table (kernels.grouped_glu.LAUNCH)
+    python -m benchmarks.kernel_resources --space tune     # every configuration moe_bench --tune times
+
+Per kernel and configuration: the shared memory one program needs (KiB), how many programs fit on one SM by
+that alone (SM_SHARED_KIB per SM), whether the K loop's loads are pipelined (asynchronous copies into shared
+memory in the compiled TTGIR, which a GPU overlaps with the products) and whether the products run on the
+Hopper tensor-core instruction (wgmma). A configuration that fits one program per SM and a loop that is not
+pipelined are the first suspects when a kernel runs far from its roofline; `moe_bench --tune` times them.
+Pointers and the sizes H and W are compiled as multiples of 16, as Triton specializes them at launch for
+the K3 shapes (contiguous bf16 tensors, H = 1,408, W = 256). Uses triton.compiler.ASTSource and GPUTarget
+(Triton 3.6 and 3.9 give the same numbers for the launch table).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+
+from kernels import grouped_glu as gg
+
+SM_SHARED_KIB = 228  # shared memory per SM on the H100 and H200 (227 KiB of it usable by one program)
+TILE_ARGS = ["tile_expert", "tile_start", "tile_end"]
+SIGNATURES = {  # kernel: (its tensor arguments in order, then H, W, b1, b2)
+    "fwd": (gg._glu_fwd, ["x", "w1", "w2", "h"]),
+    "bwd": (gg._glu_bwd, ["x", "dy", "w1", "w2", "w3", "dh_in", "h", "dgu"]),
+}
+
+
+def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
+    """The resources of `kernel` ("fwd" or "bwd") at `launch` (a LAUNCH-style dict) compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, tensors = SIGNATURES[kernel]
+    names = tensors + TILE_ARGS + ["H", "W", "b1", "b2"]
+    signature = dict(zip(names, [f"*{dtype}"] * len(tensors) + ["*i32"] * 3 + ["i32", "i32", "fp32", "fp32"]))
+    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"])
+    if kernel == "bwd":
+        constexprs["DH_IN"] = launch["dh"] == "grouped_mm"
+    signature.update({name: "constexpr" for name in constexprs})
+    order = list(fn.arg_names)
+    source = ASTSource(fn=fn, signature={name: signature[name] for name in order},
+                       constexprs={(order.index(name),): value for name, value in constexprs.items()},
+                       attrs={(order.index(name),): [["tt.divisibility", 16]] for name in names[:-2]})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
+    ttgir = compiled.asm["ttgir"]
+    shared_kib = compiled.metadata.shared / 1024
+    return dict(kernel=kernel, launch=launch, shared_kib=shared_kib,
+                programs_per_sm=int(SM_SHARED_KIB // shared_kib) if shared_kib else None,
+                pipelined="async_copy_global_to_local" in ttgir or "async_tma_copy" in ttgir,
+                wgmma=bool(re.search(r"warp_group_dot\b", ttgir)))
+
+
+def launches(space: str) -> list[tuple[str, dict]]:
+    """(kernel, launch) pairs: the launch table's, or those of benchmarks.moe_bench.TUNE_SPACE."""
+    if space == "table":
+        return [("fwd", gg.LAUNCH["fwd"]), ("bwd", gg.LAUNCH["bwd"]), ("bwd", dict(gg.LAUNCH["bwd"], dh="grouped_mm"))]
+    from benchmarks.moe_bench import TUNE_SPACE
+
+    out = []
+    for kernel in ("fwd", "bwd"):
+        keys = [k for k in TUNE_SPACE if kernel == "bwd" or k != "dh"]
+        for values in itertools.product(*(TUNE_SPACE[k] for k in keys)):
+            launch = dict(zip(keys, values))
+            if launch["BM"] * launch["BN"] <= 128 * 128:
+                out.append((kernel, launch))
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_resources", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--space", choices=("table", "tune"), default="table")
+    ap.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
+    args = ap.parse_args(argv)
+    rows = [compile_sm90(kernel, launch) for kernel, launch in launches(args.space)]
+    lines = ["| kernel | launch | shared KiB | programs per SM | pipelined | wgmma |", "|---|---|---:|---:|---|---|"]
+    lines += [f"| {r['kernel']} | {r['launch']} | {r['shared_kib']:.0f} | {r['programs_per_sm']} | "
+              f"{'yes' if r['pipelined'] else 'no'} | {'yes' if r['wgmma'] else 'no'} |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
