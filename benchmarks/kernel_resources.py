@@ -16,7 +16,6 @@ the K3 shapes (contiguous bf16 tensors, H = 1,408, W = 256). Uses triton.compile
 from __future__ import annotations
 
 import argparse
-import itertools
 import re
 
 from kernels import grouped_glu as gg
@@ -60,16 +59,9 @@ def launches(space: str) -> list[tuple[str, dict]]:
     """(kernel, launch) pairs: the launch table's, or those of benchmarks.moe_bench.TUNE_SPACE."""
     if space == "table":
         return [("fwd", gg.LAUNCH["fwd"]), ("bwd", gg.LAUNCH["bwd"]), ("bwd", dict(gg.LAUNCH["bwd"], dh="grouped_mm"))]
-    from benchmarks.moe_bench import TUNE_SPACE
+    from benchmarks.moe_bench import TUNE_SPACE, tune_launches
 
-    out = []
-    for kernel in ("fwd", "bwd"):
-        keys = [k for k in TUNE_SPACE if kernel == "bwd" or k != "dh"]
-        for values in itertools.product(*(TUNE_SPACE[k] for k in keys)):
-            launch = dict(zip(keys, values))
-            if launch["BM"] * launch["BN"] <= 128 * 128:
-                out.append((kernel, launch))
-    return out
+    return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE)]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

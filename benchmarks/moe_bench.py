@@ -28,12 +28,13 @@ the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --sma
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import time
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.step import timed
 from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.moe import GroupedExperts, MoE
 
@@ -67,11 +68,6 @@ def build(shape: Shape, device: str, dtype: torch.dtype) -> MoE:
     return MoE(shape.d_model, cfg, GLUConfig(name="situ"), BalanceConfig(name="qb")).to(device, dtype)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def time_fwd_bwd(moe: MoE, x: torch.Tensor, iters: int, warmup: int) -> float:
     """Mean milliseconds of one forward + backward (parameter and input gradients)."""
     def step():
@@ -93,7 +89,6 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-EXPERT_FORMS = ("grouped", "grouped, checkpointed", "fused, checkpointed")
 # --tune's grid: every combination, less those whose tiles exceed 128 x 128 (out of shared memory on the H200).
 # K steps of 32 and 64 (the width is 256): compiled for sm_90 with triton 3.6, the backward with dh in the
 # kernel needs 168 KiB of shared memory at BM 128, BN 64, BK 64 and 3 stages (one program per SM), 84 KiB at BK 32.
@@ -115,21 +110,20 @@ def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[Grouped
 
 
 def timed_ms(fn, device: str, iters: int, warmup: int) -> float:
-    """Mean milliseconds of fn() over iters calls after warmup."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / iters * 1e3
+    """Mean milliseconds of fn() over iters calls after warmup (benchmarks.step.timed: CUDA events on CUDA)."""
+    return timed(fn, warmup, iters, torch.device(device)) * 1e3
+
+
+def tune_launches(kernel: str, space: dict) -> list[dict]:
+    """The launch configurations of `kernel` ("fwd" or "bwd") in a TUNE_SPACE-like grid: every combination
+    (`dh` for the backward only), less tiles over 128 x 128."""
+    keys = [k for k in space if kernel == "bwd" or k != "dh"]
+    launches = [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
+    return [launch for launch in launches if launch["BM"] * launch["BN"] <= 128 * 128]
 
 
 def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6) -> list[dict]:
     """The --tune table (module docstring): one row per kernel and launch configuration that ran."""
-    import itertools
-
     from kernels import grouped_glu as gg
 
     experts, counts, xs, dy = expert_inputs(device, dtype, small)
@@ -140,11 +134,7 @@ def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: 
     rows = []
     for kernel, call in calls.items():
         want = call(gg.LAUNCH[kernel])
-        keys = [k for k in space if kernel == "bwd" or k != "dh"]
-        for values in itertools.product(*(space[k] for k in keys)):
-            cfg = dict(zip(keys, values))
-            if cfg["BM"] * cfg["BN"] > 128 * 128:
-                continue
+        for cfg in tune_launches(kernel, space):
             try:
                 got = call(cfg)
             except Exception as err:  # noqa: BLE001 - a configuration the compiler refuses (resources) is skipped
