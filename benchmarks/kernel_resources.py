@@ -56,9 +56,10 @@ def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
 
 
 def launches(space: str) -> list[tuple[str, dict]]:
-    """(kernel, launch) pairs: the launch table's, or those of benchmarks.moe_bench.TUNE_SPACE."""
+    """(kernel, launch) pairs: the launch table's (its backward with either dh source), or those of
+    benchmarks.moe_bench.TUNE_SPACE."""
     if space == "table":
-        return [("fwd", gg.LAUNCH["fwd"]), ("bwd", gg.LAUNCH["bwd"]), ("bwd", dict(gg.LAUNCH["bwd"], dh="grouped_mm"))]
+        return [("fwd", gg.LAUNCH["fwd"])] + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh)) for dh in gg.DH_SOURCES]
     from benchmarks.moe_bench import TUNE_SPACE, tune_launches
 
     return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE)]

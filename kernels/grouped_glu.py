@@ -45,12 +45,14 @@ except ImportError:  # Triton is a Linux-only dependency (pyproject): elsewhere 
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Tile of the hidden layer per program (rows BM of one expert's segment x hidden units BN), the K step BK
-# over the width W, warps and pipeline stages; for the backward, where dh comes from (`glu_bwd`). Both the
-# best of 32 configurations with dh from the kernel (BM, BN, BK in 64, 128; 4 or 8 warps; 3 stages) on the
-# H200 at the K3 default's shapes: 1.52 ms forward, 4.27 ms backward, the kernels alone.
-# `python -m benchmarks.moe_bench --tune` sweeps both kernels, dh from torch._grouped_mm included.
+# over the width W, warps and pipeline stages; for the backward, where dh comes from (`glu_bwd`). Each is
+# the fastest of `python -m benchmarks.moe_bench --tune` (32 forward, 64 backward configurations) on the
+# H200 at the K3 default's shapes: 1.53 ms forward; 3.80 ms backward with dh from torch._grouped_mm, where
+# the best with dh in the kernel takes 4.15 ms (a third operand tile per K step: 120 against 72 KiB of shared
+# memory a program at this tile, `python -m benchmarks.kernel_resources`). The [M, H] dh costs the K3 default
+# 0.68 GiB of peak memory for 0.6 ms a step.
 LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
-          "bwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, dh="kernel")}
+          "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm")}
 DH_SOURCES = ("kernel", "grouped_mm")  # LAUNCH["bwd"]["dh"]: see `glu_bwd`
 
 __all__ = ["DH_SOURCES", "LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
