@@ -229,9 +229,11 @@ def glu_bwd(xs: Tensor, dy: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: 
         GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     dxs = torch._grouped_mm(dgu, torch.cat([w1, w2], 1), offs=offs)     # [dg du] [W1; W2]
-    dw12 = torch._grouped_mm(dgu.t(), xs, offs=offs)                    # [n, 2H, W]
+    # dW1 and dW2 from column blocks of dgu (strided views, no copy), each written contiguous: one
+    # [n, 2H, W] product would need two copies to split
+    dw1, dw2 = (torch._grouped_mm(dgu[:, part].t(), xs, offs=offs) for part in (slice(0, H), slice(H, None)))
     dw3 = torch._grouped_mm(dy.t(), h, offs=offs)                       # [n, W, H]
-    return dxs, dw12[:, :H].contiguous(), dw12[:, H:].contiguous(), dw3
+    return dxs, dw1, dw2, dw3
 
 
 grouped_glu_fwd_op = torch.library.custom_op(
