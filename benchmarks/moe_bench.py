@@ -4,6 +4,7 @@ in their checkpointed forms.
     python -m benchmarks.moe_bench                      # CUDA, bf16, 64-256 experts, top-8
     python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
     python -m benchmarks.moe_bench --tune               # the fused experts' launch table, swept there
+    python -m benchmarks.moe_bench --routing            # QB's cutoffs and the expert counts, each form
     python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
 Layer rows: both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent
@@ -24,6 +25,13 @@ checkpointed form's. On the CPU (--small) the forms run eager, fused only under 
 configuration of TUNE_SPACE (tiles BM x BN, K step BK, warps, stages; for the backward also where dh comes
 from), each checked against the launch table's result and timed; prints the fastest rows per kernel and
 the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --small).
+
+--routing: the two selections a MoE layer makes per step besides its top-k, at the K3 default's routing
+(32,768 tokens, 64 experts, top-8): QB's cutoffs, the c-th largest margin of each expert's column
+(c = 4,096), by kthvalue down the strided columns, kthvalue on the transpose, and topk on the transpose
+(k3lab.model.router.qb_quantile_exact); the tokens per expert by scatter-add (router.count_ids), bincount
+and the one-hot column sums (router.expert_load), eager and compiled. Each row is checked against the
+first of its group; microseconds per call and the time over that first row.
 """
 from __future__ import annotations
 
@@ -152,6 +160,46 @@ def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: 
     return rows
 
 
+def routing_rows(device: str, small: bool, iters: int, warmup: int) -> list[dict]:
+    """The --routing table (module docstring): one row per form."""
+    from k3lab.model.router import count_ids, expert_load, qb_quantile_exact, qb_target_rank
+
+    tokens, n, k = (512, 16, 4) if small else (32_768, 64, 8)
+    torch.manual_seed(0)
+    margins = torch.randn(tokens, n, device=device)
+    idx = torch.randint(0, n, (tokens, k), device=device)
+    c = qb_target_rank(tokens, n, k)
+    forms = {
+        "QB cutoffs": {
+            "kthvalue, strided columns": lambda: -torch.kthvalue(-margins, c, dim=0).values,
+            "kthvalue, transposed": lambda: torch.kthvalue(margins.t().contiguous(), tokens - c + 1, dim=1).values,
+            "topk, transposed (qb_quantile_exact)": lambda: qb_quantile_exact(margins, k),
+        },
+        "tokens per expert": {
+            "scatter-add (count_ids), eager": lambda: count_ids(idx, n),
+            "scatter-add (count_ids), compiled": torch.compile(lambda: count_ids(idx, n)),
+            "bincount, eager": lambda: torch.bincount(idx.reshape(-1), minlength=n),
+            "one-hot sums (expert_load), eager": lambda: expert_load(idx, n),
+            "one-hot sums (expert_load), compiled": torch.compile(lambda: expert_load(idx, n)),
+        },
+    }
+    rows = []
+    print(f"routing selections: {tokens:,} tokens, {n} experts, top-{k}, {device}; mean of {iters}\n")
+    print("| selection | form | us | time / first form |\n|---|---|---:|---:|")
+    for group, fns in forms.items():
+        want, first = None, None
+        for form, fn in fns.items():
+            got = fn()
+            want = got if want is None else want
+            if not torch.equal(got, want):
+                raise AssertionError(f"{group}: {form} gives {got.tolist()}, the first form {want.tolist()}")
+            us = timed_ms(fn, device, iters, warmup) * 1e3
+            first = first or us
+            rows.append(dict(selection=group, form=form, us=us, ratio=us / first))
+            print(f"| {group} | {form} | {us:.1f} | {us / first:.2f} |")
+    return rows
+
+
 def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
     """The --experts table (module docstring): one row per form that runs on this device."""
     experts, counts, xs, dy = expert_inputs(device, dtype, small)
@@ -205,11 +253,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
     ap.add_argument("--tune", action="store_true", help="sweep the fused experts' launch table (docstring)")
+    ap.add_argument("--routing", action="store_true", help="QB's cutoffs and the expert counts, each form")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     iters = args.iters or (2 if args.small else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
+    if args.routing:
+        return routing_rows(args.device, args.small, iters, warmup)
     if args.experts or args.tune:  # the routed experts alone: either table, or both in this order
         return ((experts_rows(args.device, dtype, args.small, iters, warmup) if args.experts else [])
                 + (tune_rows(args.device, dtype, args.small, iters, warmup) if args.tune else []))

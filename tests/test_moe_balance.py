@@ -98,7 +98,8 @@ def test_qb_iters_moves_the_bias_to_the_batch_fixed_point(m, n, k):
 
 def test_qb_update_takes_the_forward_cutoffs_without_routing_again(monkeypatch):
     """One exact update (iters=1) over three micro-batches: the bias is bitwise the quantile of the margins
-    against cutoffs routed afresh, and the update itself runs no top-k (it reads the forward's cutoffs)."""
+    against cutoffs routed afresh, and the update itself runs no top-k over the experts, i.e. no routing (it
+    reads the forward's cutoffs; its quantile is a top-k over each expert's column of tokens)."""
     from k3lab.model import router
 
     m, n, k = 2100, 64, 8
@@ -107,11 +108,15 @@ def test_qb_update_takes_the_forward_cutoffs_without_routing_again(monkeypatch):
     qb = QuantileBalance(n, k)
     for part in torch.split(torch.arange(m), 700):
         qb.observe(route(s[part], bias, k), bias)
-    topk_calls = []
+    selected_from = []  # per top-k call, the size of the dimension it selects along
     real_topk = torch.topk
-    monkeypatch.setattr(router.torch, "topk", lambda *a, **kw: topk_calls.append(1) or real_topk(*a, **kw))
+
+    def recording_topk(x, kk, dim=-1, **kw):
+        selected_from.append(x.shape[dim])
+        return real_topk(x, kk, dim, **kw)
+    monkeypatch.setattr(router.torch, "topk", recording_topk)
     got = qb.update(bias)
-    assert topk_calls == []
+    assert n not in selected_from and selected_from == [m]
     monkeypatch.setattr(router.torch, "topk", real_topk)
     want = qb_raw_bias(s, bias, k)
     assert torch.equal(got, want - want.mean())

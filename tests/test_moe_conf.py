@@ -54,3 +54,14 @@ def test_experts_benchmark_runs_on_cpu(capsys):
     assert [r["form"] for r in rows] == ["grouped", "grouped, checkpointed"]
     assert all(r["ms"] > 0 and r["max_rel_error"] < 1e-6 for r in rows) and rows[1]["ratio"] == 1.0
     assert "| grouped, checkpointed |" in capsys.readouterr().out
+
+
+def test_routing_benchmark_runs_on_cpu(capsys):
+    """--routing --small on the CPU: every form of QB's cutoffs and of the expert counts, each checked equal
+    to its group's first form inside the benchmark (it raises otherwise), timed against it."""
+    from benchmarks import moe_bench as bench
+
+    rows = bench.main(["--device", "cpu", "--small", "--routing", "--iters", "1", "--warmup", "0"])
+    assert [r["selection"] for r in rows] == ["QB cutoffs"] * 3 + ["tokens per expert"] * 5
+    assert all(r["us"] > 0 for r in rows) and rows[0]["ratio"] == rows[3]["ratio"] == 1.0
+    assert "| QB cutoffs | topk, transposed (qb_quantile_exact) |" in capsys.readouterr().out

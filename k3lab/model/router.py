@@ -97,8 +97,9 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def expert_load(idx: torch.Tensor, n: int) -> torch.Tensor:
     """idx [m, k] -> tokens per expert [n] (int64): the column sums of the one-hot comparison
-    idx == arange(n), which Inductor fuses into one reduction. For a few experts this beats `count_ids`,
-    whose atomics all land on n counters (0.06 ms per MoE layer on the H200 for 262,144 pairs)."""
+    idx == arange(n), which Inductor fuses into one reduction: on the H200, compiled, 0.047 ms for 262,144
+    pairs over 64 experts, where `count_ids`' scatter-add, whose atomics all land on n counters, takes
+    0.089 ms (eager the comparison takes 0.235 ms against 0.065: GPU training compiles by default)."""
     return (idx.reshape(-1, 1) == torch.arange(n, device=idx.device)).sum(0)
 
 
@@ -129,12 +130,13 @@ def qb_quantile_exact(margins: torch.Tensor, k: int, m: int | None = None) -> to
     """margins [M, n] (rows beyond the m real tokens may be -inf padding) -> q [n], the c-th largest
     margin of each column, c = ceil(m k / n). With b_j = -q_j exactly
     #{i: r_ij > -b_j} <= m k / n <= #{i: r_ij >= -b_j}."""
-    rows, n = margins.shape
-    m = rows if m is None else m
+    n = margins.shape[1]
+    m = margins.shape[0] if m is None else m
     c = qb_target_rank(m, n, k)
-    # the c-th largest is the (rows - c + 1)-th smallest; each column is selected as a contiguous row of
-    # the transpose (on the H200 a selection down strided columns took 0.29 ms per MoE layer)
-    return torch.kthvalue(margins.t().contiguous(), rows - c + 1, dim=1).values
+    # the smallest of each column's c largest, selected along contiguous rows of the transpose: on the H200
+    # at [32,768, 64] fp32 and c = 4,096, 0.12 ms, where kthvalue took 0.16 ms on the transpose and 0.31
+    # ms down the strided columns
+    return torch.topk(margins.t().contiguous(), c, dim=1, sorted=False).values.amin(dim=1)
 
 
 def qb_hist_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
