@@ -60,9 +60,9 @@ def launches(space: str) -> list[tuple[str, dict]]:
     benchmarks.moe_bench.TUNE_SPACE."""
     if space == "table":
         return [("fwd", gg.LAUNCH["fwd"])] + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh)) for dh in gg.DH_SOURCES]
-    from benchmarks.moe_bench import TUNE_SPACE, tune_launches
+    from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
 
-    return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE)]
+    return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE, K3_WIDTH)]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -97,18 +97,22 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-# --tune's grid: every combination, less those whose tiles exceed 128 x 128 (out of shared memory on the H200).
-# K steps of 32 and 64 (the width is 256): compiled for sm_90 with triton 3.6, the backward with dh in the
-# kernel needs 168 KiB of shared memory at BM 128, BN 64, BK 64 and 3 stages (one program per SM), 84 KiB at BK 32.
-TUNE_SPACE = dict(BM=(64, 128), BN=(64, 128), BK=(32, 64), num_warps=(4, 8), num_stages=(2, 3),
-                  dh=("kernel", "grouped_mm"))
+# --tune's grid: every combination, less tiles over 128 x 128 (out of shared memory on the H200) and pipelines
+# deeper than the K loop (stages x BK over the width: Triton allocates every stage whether the loop fills it or
+# not), 112 in all at the K3 width. Each of those compiles for sm_90 with pipelined loads and wgmma
+# (`python -m benchmarks.kernel_resources --space tune`). The backward takes dh from torch._grouped_mm only:
+# with dh in the kernel the best of 32 took 4.15 ms on the H200 against 3.80 (RESULTS.md); `glu_bwd` keeps both
+# sources, and SMALL_TUNE_SPACE tests both.
+TUNE_SPACE = dict(BM=(64, 128), BN=(64, 128), BK=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4),
+                  dh=("grouped_mm",))
+K3_WIDTH, SMALL_WIDTH = 256, 16  # the experts' width W (the kernels' K extent) of --experts and --tune
 SMALL_TUNE_SPACE = dict(BM=(16,), BN=(16, 32), BK=(16,), num_warps=(1,), num_stages=(1,), dh=("kernel", "grouped_mm"))
 
 
 def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor]:
     """The experts, counts, xs and dy of --experts and --tune (module docstring)."""
-    n, width, hidden, pairs = (8, 16, 24, 512) if small else (64, 256, 1408, 262_144)
+    n, width, hidden, pairs = (8, SMALL_WIDTH, 24, 512) if small else (64, K3_WIDTH, 1408, 262_144)
     torch.manual_seed(0)
     experts = GroupedExperts(n, width, hidden, GLUConfig(name="situ")).to(device, dtype)
     counts = torch.bincount(torch.randint(0, n, (pairs,), device=device), minlength=n)
@@ -122,12 +126,14 @@ def timed_ms(fn, device: str, iters: int, warmup: int) -> float:
     return timed(fn, warmup, iters, torch.device(device)) * 1e3
 
 
-def tune_launches(kernel: str, space: dict) -> list[dict]:
-    """The launch configurations of `kernel` ("fwd" or "bwd") in a TUNE_SPACE-like grid: every combination
-    (`dh` for the backward only), less tiles over 128 x 128."""
+def tune_launches(kernel: str, space: dict, width: int) -> list[dict]:
+    """The launch configurations of `kernel` ("fwd" or "bwd") in a TUNE_SPACE-like grid for experts of `width`:
+    every combination (`dh` for the backward only), less tiles over 128 x 128 and stages beyond the K loop's
+    steps (num_stages x BK > max(width, BK))."""
     keys = [k for k in space if kernel == "bwd" or k != "dh"]
     launches = [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
-    return [launch for launch in launches if launch["BM"] * launch["BN"] <= 128 * 128]
+    return [launch for launch in launches if launch["BM"] * launch["BN"] <= 128 * 128
+            and launch["num_stages"] * launch["BK"] <= max(width, launch["BK"])]
 
 
 def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6) -> list[dict]:
@@ -142,7 +148,7 @@ def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: 
     rows = []
     for kernel, call in calls.items():
         want = call(gg.LAUNCH[kernel])
-        for cfg in tune_launches(kernel, space):
+        for cfg in tune_launches(kernel, space, xs.shape[1]):
             try:
                 got = call(cfg)
             except Exception as err:  # noqa: BLE001 - a configuration the compiler refuses (resources) is skipped

@@ -243,6 +243,18 @@ def test_tile_schedule_covers_each_segment_once_without_spanning_experts():
         assert busy[:len(want)].all() and not busy[len(want):].any()
 
 
+def test_tune_grid_leaves_out_oversized_tiles_and_idle_stages():
+    """moe_bench's --tune grid at the K3 width: every combination with tiles of at most 128 x 128 and no more
+    stages than the K loop has steps; the backward only with dh from torch._grouped_mm."""
+    from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
+
+    fwd, bwd = (tune_launches(kernel, TUNE_SPACE, K3_WIDTH) for kernel in ("fwd", "bwd"))
+    assert len(fwd) == len(bwd) == 56 and {b["dh"] for b in bwd} == {"grouped_mm"}
+    assert all(c["BM"] * c["BN"] <= 128 * 128 and c["num_stages"] * c["BK"] <= K3_WIDTH for c in fwd + bwd)
+    assert {(c["BK"], c["num_stages"]) for c in fwd} == {(32, 2), (32, 3), (32, 4), (64, 2), (64, 3), (64, 4),
+                                                         (128, 2)}
+
+
 def test_kernel_resources_of_the_launch_table(tmp_path):
     """benchmarks.kernel_resources (the kernels compiled for sm_90 here, without a GPU): every kernel of the
     launch table runs its products on wgmma with pipelined loads; the backward that computes dh itself needs
