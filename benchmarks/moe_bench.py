@@ -265,10 +265,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     iters = args.iters or (2 if args.small else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
-    if args.routing:
-        return routing_rows(args.device, args.small, iters, warmup)
-    if args.experts or args.tune:  # the routed experts alone: either table, or both in this order
-        return ((experts_rows(args.device, dtype, args.small, iters, warmup) if args.experts else [])
+    if args.routing or args.experts or args.tune:  # the parts alone: any of the three tables, in this order
+        return ((routing_rows(args.device, args.small, iters, warmup) if args.routing else [])
+                + (experts_rows(args.device, dtype, args.small, iters, warmup) if args.experts else [])
                 + (tune_rows(args.device, dtype, args.small, iters, warmup) if args.tune else []))
     has_grouped = grouped_available(args.device, dtype)
     torch.manual_seed(0)
