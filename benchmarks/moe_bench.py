@@ -5,6 +5,7 @@ in their checkpointed forms.
     python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
     python -m benchmarks.moe_bench --tune               # the fused experts' launch table, swept there
     python -m benchmarks.moe_bench --routing            # QB's cutoffs and the expert counts, each form
+    python -m benchmarks.moe_bench --routing --experts --tune  # the three tables above in one run
     python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
 Layer rows: both paths run the same k3lab.model.moe.MoE (router, sort by expert, shared expert, latent
