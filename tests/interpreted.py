@@ -18,3 +18,27 @@ def run_interpreted(script: str) -> dict:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def opcheck_pair(forward_op, forward_args: tuple, backward_op, backward_args: tuple) -> dict:
+    """torch.library.opcheck of a custom op (give it requires_grad inputs, so its autograd registration is
+    checked) and of the custom op its backward calls: test name -> result, the backward's prefixed."""
+    import torch
+
+    forward = torch.library.opcheck(forward_op, forward_args)
+    backward = torch.library.opcheck(backward_op, backward_args)
+    return {**forward, **{f"backward_{k}": r for k, r in backward.items()}}
+
+
+def compile_against_eager(fn, run, op_name: str, names: list[str]) -> dict:
+    """run(fn) -> tensors (outputs, then gradients) eager and under torch.compile(backend="aot_eager",
+    fullgraph=True): {"frames": frames compiled, "ops_in_graph": op_name in every graph's code, "mismatches":
+    the names of the tensors that differ beyond torch.allclose}."""
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    eager = run(fn)
+    compiled = run(torch.compile(fn, backend=counter, fullgraph=True))
+    return {"frames": counter.frame_count, "ops_in_graph": all(op_name in g.code for g in counter.graphs),
+            "mismatches": [n for n, a, b in zip(names, compiled, eager) if not torch.allclose(a, b)]}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import opcheck_pair, run_interpreted
 from k3lab.model.attnres import _DepthSoftmaxMix, depth_softmax_mix, depth_softmax_mix_autograd, inv_rms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,11 +159,8 @@ def _run_checks() -> dict:
         out[name] = errors(got, ref)
     values, scales, query, g_h = make_inputs(2, 16, 32, ["fp32", "bf16", "bf16"])
     _, logits = mix_op(values, scales, query)
-    forward = torch.library.opcheck(mix_op, ([v.requires_grad_() for v in values], scales,
-                                                         query.requires_grad_()))
-    backward = torch.library.opcheck(mix_backward_op, ([v.detach() for v in values], scales, query.detach(),
-                                                            logits, g_h))
-    out["opcheck"] = {**forward, **{f"backward_{k}": r for k, r in backward.items()}}
+    out["opcheck"] = opcheck_pair(mix_op, ([v.requires_grad_() for v in values], scales, query.requires_grad_()),
+                                  mix_backward_op, ([v.detach() for v in values], scales, query.detach(), logits, g_h))
     out["compile_mismatches"] = compile_mismatches(make_inputs(2, 16, 32, ["fp32", "bf16", "bf16"]))
     for residual in ("block_attnres", "full_attnres"):
         out[f"stack_{residual}"] = stack_mismatches(residual)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import compile_against_eager, opcheck_pair, run_interpreted
 from k3lab.config import GLUConfig
 from k3lab.model.ffn import glu_combine
 
@@ -111,8 +111,6 @@ def moe_against_loop(backend: str) -> dict:
 
 
 def _run_checks() -> dict:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     import kernels.grouped_glu as gg
 
     out = {}
@@ -127,23 +125,15 @@ def _run_checks() -> dict:
 
     xs, w1, w2, w3, dy, cnt = make_inputs([5, 0, 11], 16, 16, "float32")
     args = (xs.requires_grad_(), cnt, w1.requires_grad_(), w2.requires_grad_(), w3.requires_grad_(), 4.0, 25.0, True)
-    forward = torch.library.opcheck(gg.grouped_glu_fwd_op, args)
-    backward = torch.library.opcheck(gg.grouped_glu_bwd_op, (xs.detach(), dy, cnt, w1.detach(), w2.detach(),
-                                                             w3.detach(), 4.0, 25.0, True))
-    out["opcheck"] = {**forward, **{f"backward_{k}": r for k, r in backward.items()}}
-
-    counter = CompileCounterWithBackend("aot_eager")
+    out["opcheck"] = opcheck_pair(gg.grouped_glu_fwd_op, args, gg.grouped_glu_bwd_op,
+                                  (xs.detach(), dy, cnt, w1.detach(), w2.detach(), w3.detach(), 4.0, 25.0, True))
 
     def run(fn):
         leaves = [t.detach().requires_grad_() for t in (xs, w1, w2, w3)]
         y = fn(leaves[0], cnt, *leaves[1:])
         y.sum().backward()
         return [y.detach()] + [t.grad for t in leaves]
-    eager = run(compiled_fn)
-    compiled = run(torch.compile(compiled_fn, backend=counter, fullgraph=True))
-    out["compile"] = {"frames": counter.frame_count,
-                      "ops_in_graph": all("k3lab.grouped_glu_fwd" in g.code for g in counter.graphs),
-                      "mismatches": [n for n, a, b in zip(NAMES, compiled, eager) if not torch.allclose(a, b)]}
+    out["compile"] = compile_against_eager(compiled_fn, run, "k3lab.grouped_glu_fwd", NAMES)
     out["moe_triton"] = moe_against_loop("triton")
 
     from benchmarks import moe_bench

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interpreted import run_interpreted
+from interpreted import compile_against_eager, opcheck_pair, run_interpreted
 from kernels.short_conv import short_conv, short_conv_reference
 
 NAMES = ["y", "dx", "dw"]
@@ -70,8 +70,6 @@ def compiled_fn(x, w):
 
 
 def _run_checks() -> dict:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     from kernels.short_conv import conv_bwd, conv_fwd, short_conv_bwd_op, short_conv_fwd_op
 
     out = {}
@@ -92,16 +90,10 @@ def _run_checks() -> dict:
     out["sweep"] = conv_bench.sweep_bwd(x, w, dy, reps=1, warmup=0)
 
     x, w, dy = make_inputs(2, 20, 24, 4, "float32", "float32")
-    forward = torch.library.opcheck(short_conv_fwd_op, (x.requires_grad_(), w.requires_grad_()))
-    backward = torch.library.opcheck(short_conv_bwd_op, (x.detach(), w.detach(), dy))
-    out["opcheck"] = {**forward, **{f"backward_{k}": r for k, r in backward.items()}}
-
-    counter = CompileCounterWithBackend("aot_eager")
-    eager = through_autograd(compiled_fn, x, w, dy)
-    compiled = through_autograd(torch.compile(compiled_fn, backend=counter, fullgraph=True), x, w, dy)
-    out["compile"] = {"frames": counter.frame_count,
-                      "ops_in_graph": all("k3lab.short_conv_fwd" in g.code for g in counter.graphs),
-                      "mismatches": [n for n, a, b in zip(NAMES, compiled, eager) if not torch.allclose(a, b)]}
+    out["opcheck"] = opcheck_pair(short_conv_fwd_op, (x.requires_grad_(), w.requires_grad_()), short_conv_bwd_op,
+                                  (x.detach(), w.detach(), dy))
+    out["compile"] = compile_against_eager(compiled_fn, lambda fn: through_autograd(fn, x, w, dy),
+                                           "k3lab.short_conv_fwd", NAMES)
     return out
 
 
