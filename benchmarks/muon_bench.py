@@ -12,19 +12,22 @@ drawn from N(0, 1). Each part is timed alone, --steps calls after --warmup (CUDA
 clock elsewhere), on the same parameters, gradients and state:
 
   step        Muon.step(): every group, what training runs
-  momentum    the Muon groups' momentum and weight decay, foreach ops (Muon.momentum)
-  directions  every bucket's directions written into its Newton-Schulz batch (Muon.bucket_directions)
-  ns          newton_schulz_iterations of every bucket (the Frobenius norms included), by the group's ns_method
+  directions  every bucket's momentum update and directions written into its Newton-Schulz batch
+              (Muon.bucket_directions: kernels.momentum's fused kernel on CUDA)
+  ns          newton_schulz_factors of every bucket (the Frobenius norms included), by the group's
+              ns_method: every iteration but the last product
+  update      that last product taken into the parameters with the weight decay (Muon.apply_updates)
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
-  rest        step minus the parts above: the updates' adds into the parameters
+  rest        step minus the parts above (what the step does beyond them, or the spread of the timings)
 
-ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over its time,
-and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). The count is the standard iteration's,
-so under optim.ns_method=gram, which does fewer FLOPs, it is the rate the standard iteration would need to
-run at to take the same time, comparable across variants. elementwise GB/s: the bytes momentum
-and directions move (7 passes over the Muon parameters' elements for momentum: scaled, added to, the decay;
-3 for the Nesterov direction, 2 for heavy ball's copy) over their time. Parts stay comparable across variants of one call: optim=muon (one matrix per
-weight) against optim=muon_per_head (one per head block) is the cost of the per-head switch.
+ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over the time
+of ns and update, and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). The count is the
+standard iteration's, so under optim.ns_method=gram, which does fewer FLOPs, it is the rate the standard
+iteration would need to run at to take the same time, comparable across variants. elementwise GB/s: the
+bytes the directions part moves (per Muon parameter element g and m read and m written in the parameter
+dtype, the direction written in the Newton-Schulz dtype) over its time. Parts stay comparable across
+variants of one call: optim=muon (one matrix per weight) against optim=muon_per_head (one per head block)
+is the cost of the per-head switch.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ from k3lab.config import OptimConfig, model_config, typed
 from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
-from k3lab.optim.muon import buckets, newton_schulz_iterations
+from k3lab.optim.muon import NS_DTYPES, buckets, newton_schulz_factors
 
-PARTS = ("step", "momentum", "directions", "ns", "adamw", "rest")
+PARTS = ("step", "directions", "ns", "update", "adamw", "rest")
 
 
 def ns_flops(shapes: list[tuple[int, int, int, int]]) -> float:
@@ -52,7 +55,7 @@ def ns_flops(shapes: list[tuple[int, int, int, int]]) -> float:
 
 def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
     """Callables of the parts (see the module docstring) for optimizer `opt`, its Newton-Schulz batches
-    (matrices, rows, cols, iterations) and the bytes the momentum and directions parts move."""
+    (matrices, rows, cols, iterations) and the bytes the directions part moves."""
     muon = [g for g in opt.param_groups if g["use_muon"]]
     adamw = [g for g in opt.param_groups if not g["use_muon"]]
     for group in muon:  # the state a first step would create, so that every part runs on it
@@ -63,15 +66,16 @@ def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
         heads = [h if group["per_head"] else 0 for h in group["head_blocks"]]
         batches += [(group, b) for b in buckets(group["params"], heads)]
     stacks = [opt.bucket_directions(g, g["params"], b) for g, b in batches]
+    factors = [newton_schulz_factors(s, g["ns_steps"], method=g["ns_method"]) for s, (g, _) in zip(stacks, batches)]
     shapes = [(*s.shape, g["ns_steps"]) for s, (g, _) in zip(stacks, batches)]
-    passes = {True: 10, False: 9}  # momentum scaled (2) and added to (3), decay (2); the direction (3) or copy (2)
-    moved = sum(passes[g["nesterov"]] * p.numel() * p.element_size() for g in muon for p in g["params"])
+    moved = sum(p.numel() * (3 * p.element_size() + NS_DTYPES[g["ns_dtype"]].itemsize)
+                for g in muon for p in g["params"])
     parts = {
         "step": opt.step,
-        "momentum": lambda: [opt.momentum(g, g["params"]) for g in muon],
         "directions": lambda: [opt.bucket_directions(g, g["params"], b) for g, b in batches],
-        "ns": lambda: [newton_schulz_iterations(s, g["ns_steps"], method=g["ns_method"])
+        "ns": lambda: [newton_schulz_factors(s, g["ns_steps"], method=g["ns_method"])
                        for s, (g, _) in zip(stacks, batches)],
+        "update": lambda: [opt.apply_updates(g, g["params"], b, q, y) for (g, b), (q, y) in zip(batches, factors)],
         "adamw": lambda: [opt._adamw_step(g) for g in adamw],
     }
     return parts, shapes, moved
@@ -102,10 +106,10 @@ def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
              "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]
     for variant, r in rows:
         ms = r["ms"]
-        tflops = r["ns_flops"] / (ms["ns"] * 1e-3) / 1e12 if ms["ns"] > 0 else float("nan")
+        ns = ms["ns"] + ms["update"]
+        tflops = r["ns_flops"] / (ns * 1e-3) / 1e12 if ns > 0 else float("nan")
         share = f" ({tflops * 1e12 / peak:.0%})" if peak else ""
-        elementwise = ms["momentum"] + ms["directions"]
-        gbs = r["moved"] / (elementwise * 1e-3) / 1e9 if elementwise > 0 else float("nan")
+        gbs = r["moved"] / (ms["directions"] * 1e-3) / 1e9 if ms["directions"] > 0 else float("nan")
         lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(f"{ms[p]:.2f}" for p in PARTS)
                      + f" | {tflops:.1f}{share} | {gbs:.0f} | {r['matrices']} in {r['buckets']} |")
     return "\n".join(lines) + "\n"

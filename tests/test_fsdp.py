@@ -101,8 +101,8 @@ def _worker(rank: int, port: int) -> None:
                 p.copy_(shard_like(q.detach().clone(), p))
         opt, ref_opt = Muon(sharded_groups), Muon(ref_groups)
         calls = []
-        iterations = muon_module.newton_schulz_iterations
-        muon_module.newton_schulz_iterations = lambda x, *args, **kw: calls.append(len(x)) or iterations(x, *args, **kw)
+        factors = muon_module.newton_schulz_factors
+        muon_module.newton_schulz_factors = lambda x, *args, **kw: calls.append(len(x)) or factors(x, *args, **kw)
         for step in range(2):  # the second step reads the momentum and Adam moments kept on the shards
             for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
                 q.grad = draw(q, name, step)
@@ -112,7 +112,7 @@ def _worker(rank: int, port: int) -> None:
             sharded_calls = list(calls)
             calls.clear()
             ref_opt.step()
-        muon_module.newton_schulz_iterations = iterations
+        muon_module.newton_schulz_factors = factors
         # the shards' Newton-Schulz is batched: one call per shape of whole parameter, not one per
         # parameter, over the same matrices as one device's buckets
         muon_params = [(p, h) for g in sharded_groups if g["use_muon"] for p, h in zip(g["params"], g["head_blocks"])]

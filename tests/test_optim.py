@@ -268,7 +268,7 @@ def test_gram_newton_schulz_is_the_standard_polynomial(shape):
     the fp32 rounding of the first scale 1/||x||^2, which the Gram form carries in R (relative 1e-6)."""
     x = matrix_batch(shape)
     for steps in range(1, 9):
-        got = muon_module.gram_newton_schulz(x.clone(), steps)
+        got = muon_module.polar_product(*muon_module.gram_newton_schulz(x.clone(), steps))
         assert rel_error(got, muon_module.newton_schulz_iterations(x.clone(), steps)) < 1e-6, steps
 
 
@@ -287,12 +287,13 @@ def test_gram_newton_schulz_in_bf16_is_as_accurate_as_the_standard(shape, spectr
     want = muon_module.newton_schulz_iterations(x.clone(), 5)
     x = x.to(device)
     standard = rel_error(muon_module.newton_schulz_iterations(x.bfloat16(), 5).cpu(), want)
-    gram = rel_error(muon_module.gram_newton_schulz(x.bfloat16(), 5).cpu(), want)
+    gram = rel_error(muon_module.polar_product(*muon_module.gram_newton_schulz(x.bfloat16(), 5)).cpu(), want)
     gaussian_limit = 1.6 if device == "cuda" else 1.25
     assert gram < (gaussian_limit if spectrum == "gaussian" else 1.0) * standard
     if spectrum == "ill_conditioned":
         monkeypatch.setattr(muon_module, "GRAM_RESTART_EVERY", 10)
-        assert rel_error(muon_module.gram_newton_schulz(x.bfloat16(), 5).cpu(), want) > 10 * standard
+        drifted = muon_module.polar_product(*muon_module.gram_newton_schulz(x.bfloat16(), 5))
+        assert rel_error(drifted.cpu(), want) > 10 * standard
 
 
 def test_gram_method_runs_on_long_matrices_only():
@@ -301,7 +302,7 @@ def test_gram_method_runs_on_long_matrices_only():
     long, square = matrix_batch((2, 16, 32)).float(), matrix_batch((2, 24, 40)).float()
     iterate = muon_module.newton_schulz_iterations
     assert torch.equal(iterate(square, 5, method="gram"), iterate(square, 5))
-    assert torch.equal(iterate(long, 5, method="gram"), muon_module.gram_newton_schulz(long, 5))
+    assert torch.equal(iterate(long, 5, method="gram"), muon_module.polar_product(*muon_module.gram_newton_schulz(long, 5)))
     assert not torch.equal(iterate(long, 5, method="gram"), iterate(long, 5))
     with pytest.raises(ValueError, match="valid options: standard, gram"):
         iterate(long, 5, method="polar")
@@ -333,11 +334,12 @@ def mixed_muon_params(seed=0):
 
 
 def reference_muon_step(params, heads, bufs, lr, wd, beta, nesterov, ns_dtype=torch.float32, ns_method="standard"):
-    """The per-parameter loop: momentum, Nesterov, `orthogonal_update`, decay, update, one tensor at a time."""
+    """The per-parameter loop: momentum (g + beta m, rounded once), Nesterov, `orthogonal_update`, decay, update,
+    one tensor at a time."""
     with torch.no_grad():
         for p, h, m in zip(params, heads, bufs):
             g = p.grad
-            m.mul_(beta).add_(g)
+            m.copy_(g.add(m, alpha=beta))
             u = g.add(m, alpha=beta) if nesterov else m
             update = orthogonal_update(u, h, 5, ns_dtype, ns_method)
             p.mul_(1 - lr * wd)
@@ -378,9 +380,10 @@ def test_batched_step_equals_the_per_parameter_loop(nesterov, bucket_numel, ns_d
 @pytest.mark.parametrize("param_dtype,ns_dtype", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
                                                     (torch.bfloat16, "fp32")])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_bucket_directions_are_the_stacked_directions(param_dtype, ns_dtype, nesterov):
-    """Each bucket's batch holds its parameters' directions, g + beta m (Nesterov) or m, computed in the
-    parameter dtype and rounded once to the Newton-Schulz dtype: bitwise what stacking the directions gives."""
+def test_bucket_directions_update_the_momentum_and_stack_the_directions(param_dtype, ns_dtype, nesterov):
+    """Each bucket's parameters' momentum becomes g + beta m, rounded once to the parameter dtype, and the
+    bucket's batch holds their directions, g + beta m (Nesterov) or m, computed in the parameter dtype and
+    rounded once to the Newton-Schulz dtype: bitwise what the separate torch ops and a stack give."""
     pairs = mixed_muon_params()
     params = [nn.Parameter(p.detach().to(param_dtype)) for p, _ in pairs]
     heads = [h for _, h in pairs]
@@ -391,26 +394,61 @@ def test_bucket_directions_are_the_stacked_directions(param_dtype, ns_dtype, nes
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(param_dtype)
         opt.state[p]["momentum_buffer"] = torch.randn(p.shape, generator=gen).to(param_dtype)
-    us = [p.grad.add(opt.state[p]["momentum_buffer"], alpha=0.9) if nesterov else opt.state[p]["momentum_buffer"]
-          for p in params]
+    ms = [p.grad.add(opt.state[p]["momentum_buffer"], alpha=0.9) for p in params]
+    us = [p.grad.add(m, alpha=0.9) if nesterov else m for p, m in zip(params, ms)]
     for bucket in muon_module.buckets(params, heads):
         got = opt.bucket_directions(group, params, bucket)
         want = muon_module.stack([muon_module.as_matrices(us[i], heads[i]) for i, _ in bucket],
                                  muon_module.NS_DTYPES[ns_dtype])
         assert got.dtype == want.dtype and torch.equal(got, want)
+    for p, m in zip(params, ms):
+        assert torch.equal(opt.state[p]["momentum_buffer"], m)
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_weights_in_the_newton_schulz_dtype_take_the_update_in_one_rounding(ns_method):
+    """bf16 weights with bf16 Newton-Schulz: the last product goes into the weights in place, the decay and
+    the step in one GEMM. The step equals its parts composed by hand (each bucket's directions, Newton-Schulz
+    up to its last product) with (1 - lr wd) p - lr scale q y taken in float64 and rounded once to bf16: to
+    one bf16 ulp, and exactly in almost every element (the GEMM's fp32 sums round rarely differently)."""
+    pairs = mixed_muon_params()
+    heads = [h for _, h in pairs]
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=gen).bfloat16() for p, _ in pairs]
+    stepped, by_hand = ([nn.Parameter(p.detach().bfloat16()) for p, _ in pairs] for _ in range(2))
+    opts = [Muon([dict(params=params, use_muon=True, head_blocks=heads, per_head=True, ns_dtype="bf16", lr=0.2,
+                       weight_decay=0.1, momentum=0.9, ns_method=ns_method)]) for params in (stepped, by_hand)]
+    for params in (stepped, by_hand):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+    opts[0].step()
+    group, want = opts[1].param_groups[0], {}
+    for p in by_hand:
+        opts[1].state[p]["momentum_buffer"] = torch.zeros_like(p)
+    for bucket in muon_module.buckets(by_hand, heads):
+        q, y = muon_module.newton_schulz_factors(opts[1].bucket_directions(group, by_hand, bucket), 5, method=ns_method)
+        exact = muon_module.polar_product(q.double(), y.double()).split([m.size(0) for _, m in bucket])
+        for (i, mats), o in zip(bucket, exact):
+            step = 0.2 * muon_module.update_scale(y)
+            want[i] = ((1 - 0.2 * 0.1) * mats.double() - step * o).to(torch.bfloat16).view(by_hand[i].shape)
+    for i, p in enumerate(stepped):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(p.detach().float(), want[i].float(), rtol=2 ** -7, atol=0)
+        assert (p.detach() == want[i]).float().mean() > 0.97
+        assert (p.detach().float() - by_hand[i].detach().float()).abs().mean() > 5 * 2 ** -8  # the step moved p
 
 
 def test_one_newton_schulz_per_bucket(monkeypatch):
     """The step batches across parameters: one Newton-Schulz per (rows, cols) of matrix, whatever the
     parameters they come from; a parameter without a gradient is left out, as by the loop."""
     calls = []
-    iterations = muon_module.newton_schulz_iterations
+    factors = muon_module.newton_schulz_factors
 
     def counted(x, *args, **kw):
         calls.append(tuple(x.shape))
-        return iterations(x, *args, **kw)
+        return factors(x, *args, **kw)
 
-    monkeypatch.setattr(muon_module, "newton_schulz_iterations", counted)
+    monkeypatch.setattr(muon_module, "newton_schulz_factors", counted)
     pairs = mixed_muon_params()
     params = [p for p, _ in pairs]
     opt = Muon([dict(params=params, use_muon=True, head_blocks=[h for _, h in pairs], per_head=True)])

@@ -27,12 +27,14 @@ correction): torch.optim.AdamW's own code, through its functional form (`_adamw_
 and one LR scheduler drive the whole model.
 
 Batching: for plain tensors the Muon step loops over buckets of same-shaped matrices, not over parameters.
-Momentum and weight decay are `torch._foreach_*` ops over the group; the matrices to orthogonalise (each 2-D
-weight, expert slice or head block) are bucketed by (rows, cols, dtype), each bucket's directions written
-straight into one batch in the Newton-Schulz dtype and orthogonalised by one batched Newton-Schulz (at most
-BUCKET_NUMEL elements a batch; the Frobenius norms come from its first Gram matrix, so nothing else reads the
-batch), its slices added back to their parameters with the update scale folded into the add: per matrix the
-arithmetic of `orthogonal_update`, rounded once fewer.
+The matrices to orthogonalise (each 2-D weight, expert slice or head block) are bucketed by (rows, cols,
+dtype). Per bucket: each parameter's momentum is updated and its direction written straight into its slice
+of one batch in the Newton-Schulz dtype (`kernels.momentum`: one read of g and m, one write of m and of the
+slice); one batched Newton-Schulz runs on the batch (at most BUCKET_NUMEL elements; the Frobenius norms come
+from its first Gram matrix, so nothing else reads the batch) up to its last product; and that product is
+taken into the parameters (`Muon.apply_updates`): where they are in the Newton-Schulz dtype (bf16 weights),
+one GEMM per parameter computes (1 - lr*wd) p - lr*scale*O in place, so O is never stored and p is read
+and written once; otherwise O is formed and added after the decay by foreach ops.
 
 Distributed data parallel (DDP): no collective. DDP has already averaged the gradients, so every rank
 starts the step from identical parameters, state and gradients, and every operation here (Newton-Schulz
@@ -45,8 +47,9 @@ whole matrix (or each whole head block, or each whole expert). So for every Muon
 direction u is all-gathered (`DTensor.full_tensor`), every rank computes the full update from the full
 u, as one device would, and applies the rows of its own shard (a Replicate -> Shard redistribute, which
 is local slicing). This is Moonlight's Distributed Muon (arXiv:2502.16982: gather each matrix from its
-data-parallel shards, orthogonalise it whole, keep the local partition): the update is bit for bit the
-one-device update of the same momentum, at the price of one all-gather per Muon matrix per step and of
+data-parallel shards, orthogonalise it whole, keep the local partition): where the parameters are not in the
+Newton-Schulz dtype (FSDP's fp32 master weights) the update is bit for bit the one-device update of the same
+momentum, at the price of one all-gather per Muon matrix per step and of
 every rank computing every Newton-Schulz. The gathered directions are orthogonalised in the same
 buckets as plain tensors, one group of same-shaped parameters (`shard_chunks`) gathered at a time.
 The AdamW groups are elementwise and run on the shards unchanged.
@@ -62,6 +65,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adamw import adamw
 
 from k3lab.config import NS_METHODS
+from kernels.momentum import momentum_direction
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 RMS_MATCH = 0.2  # Moonlight's update-RMS target
@@ -103,14 +107,23 @@ def stack(mats: list[Tensor], dtype: torch.dtype) -> Tensor:
 
 
 def newton_schulz_iterations(x: Tensor, steps: int, eps: float = 1e-7, method: str = "standard") -> Tensor:
-    """The quintic iterations of `newton_schulz` on a batch x [n, rows, cols] (contiguous), with the
-    smaller Gram matrix: A = x x^T for a wide batch (rows <= cols), where an iteration is
-    x <- a x + (b A + c A^2) x, and A = x^T x for a tall one, where it is x <- a x + x (b A + c A^2), the
-    same iteration on the transpose, written so that x keeps its own layout (no strided copy). Each
-    iteration is three batched GEMMs: A, bA + cA^2 (baddbmm), then x times a I + bA + cA^2 with a added to the
-    small matrix's diagonal (a baddbmm with beta=a on x would first copy x into its output: on the H200 that
-    was 144 device-to-device copies, 5 ms, of the K3 default's step).
-    Returns [n, rows, cols], contiguous.
+    """The quintic iterations of `newton_schulz` on a batch x [n, rows, cols] (contiguous): the product of
+    `newton_schulz_factors`. Returns [n, rows, cols], contiguous."""
+    return polar_product(*newton_schulz_factors(x, steps, eps, method))
+
+
+def newton_schulz_factors(x: Tensor, steps: int, eps: float = 1e-7, method: str = "standard") -> tuple[Tensor, Tensor]:
+    """`newton_schulz`'s quintic iterations on a batch x [n, rows, cols] (contiguous) but the last product:
+    (q, y) with NS(x) = `polar_product`(q, y), q the small [n, s, s] matrix (s = min(rows, cols)) that the last
+    iteration applies to y [n, rows, cols]. Leaving the product to the caller lets Muon write it straight into
+    the parameters (`Muon.apply_updates`).
+
+    The iterations use the smaller Gram matrix: A = x x^T for a wide batch (rows <= cols), where an iteration
+    is x <- a x + (b A + c A^2) x, and A = x^T x for a tall one, where it is x <- a x + x (b A + c A^2), the
+    same iteration on the transpose, written so that x keeps its own layout (no strided copy). Each iteration
+    is three batched GEMMs: A, bA + cA^2 (baddbmm), then x times a I + bA + cA^2 with a added to the small
+    matrix's diagonal (a baddbmm with beta=a on x would first copy x into its output: on the H200 that was
+    144 device-to-device copies, 5 ms, of the K3 default's step).
 
     x need not be normalised: the first iteration divides by the Frobenius norms s = ||x||_F + eps
     without a pass over x. With ||x||_F^2 = trace(A), and for x' = x / s (wide; tall by symmetry)
@@ -125,28 +138,40 @@ def newton_schulz_iterations(x: Tensor, steps: int, eps: float = 1e-7, method: s
     rows, cols = x.shape[-2:]
     if method == "gram" and steps > 0 and max(rows, cols) >= GRAM_MIN_ASPECT * min(rows, cols):
         return gram_newton_schulz(x, steps, eps)
-    a, b, c = NS_COEFFS
-    gram_of, apply = _gram_and_apply(x)
     gram, inv = _scaled_gram(gram_of(x), eps)
     if steps == 0:
-        return x * inv.to(x.dtype)
+        return torch.eye(gram.size(-1), dtype=x.dtype, device=x.device) * inv.to(x.dtype), x
+    poly = quintic(gram).mul_(inv.to(x.dtype))
+    for _ in range(steps - 1):
+        x = polar_product(poly, x)
+        poly = quintic(gram_of(x))
+    return poly, x
+
+
+def gram_of(x: Tensor) -> Tensor:
+    """The smaller Gram matrix of each matrix of a batch x [n, rows, cols]: x x^T wide, x^T x tall."""
+    return torch.bmm(x.mT, x) if x.size(-2) > x.size(-1) else torch.bmm(x, x.mT)
+
+
+def quintic(gram: Tensor) -> Tensor:
+    """a I + b A + c A^2 for a batch of Gram matrices A [n, s, s] (NS_COEFFS), a new tensor: one baddbmm and
+    an add to the diagonal."""
+    a, b, c = NS_COEFFS
     poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
     poly.diagonal(dim1=-2, dim2=-1).add_(a)
-    x = apply(poly.mul_(inv.to(x.dtype)), x)
-    for _ in range(steps - 1):
-        gram = gram_of(x)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        x = apply(poly, x)
-    return x
+    return poly
 
 
-def _gram_and_apply(x: Tensor):
-    """(gram_of, apply) for a batch x [n, rows, cols]: the smaller Gram matrix (x x^T wide, x^T x tall) and
-    the product of a small matrix with x on the side that keeps x's layout (q x wide, x q tall)."""
-    if x.size(-2) > x.size(-1):
-        return (lambda y: torch.bmm(y.mT, y)), (lambda q, y: torch.bmm(y, q))
-    return (lambda y: torch.bmm(y, y.mT)), (lambda q, y: torch.bmm(q, y))
+def polar_product(q: Tensor, y: Tensor, into: Tensor | None = None, beta: float = 0.0,
+                  alpha: float = 1.0) -> Tensor:
+    """A small matrix q [n, s, s] applied to a batch y [n, rows, cols] on the side that keeps y's layout (the
+    side `gram_of` took): q y for a wide batch, y q for a tall one. With `into` (a contiguous [n, rows, cols]
+    of y's dtype), into <- beta into + alpha (product) in one GEMM (baddbmm_: the sum in fp32, rounded once),
+    the product never stored. Returns the product, or `into`."""
+    left, right = (y, q) if y.size(-2) > y.size(-1) else (q, y)
+    if into is None:
+        return torch.bmm(left, right)
+    return into.baddbmm_(left, right, beta=beta, alpha=alpha)
 
 
 def _scaled_gram(gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -157,8 +182,8 @@ def _scaled_gram(gram: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return gram.mul_(inv.square().to(gram.dtype)), inv
 
 
-def gram_newton_schulz(x: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
-    """`newton_schulz_iterations`' quintic on the Gram matrix (Gram Newton-Schulz: Zhang, Amsel, Chen and Dao,
+def gram_newton_schulz(x: Tensor, steps: int, eps: float = 1e-7) -> tuple[Tensor, Tensor]:
+    """`newton_schulz_factors`' quintic on the Gram matrix (Gram Newton-Schulz: Zhang, Amsel, Chen and Dao,
     2026, github.com/Dao-AILab/gram-newton-schulz): the same polynomial in exact arithmetic, with fewer FLOPs
     where one side of x [n, rows, cols] is much longer than the other.
 
@@ -173,27 +198,24 @@ def gram_newton_schulz(x: Tensor, steps: int, eps: float = 1e-7) -> Tensor:
     the standard iteration (tests/test_optim.py), and Q's entries within a few times a^2. Per matrix,
     with s = min(rows, cols) and l = max(rows, cols), 5 iterations cost 12 s^2 l + 22 s^3 FLOPs against
     the standard 20 s^2 l + 10 s^3: fewer from l = 1.5 s, 27% fewer at l = 5.5 s (the K3 experts).
-    `newton_schulz_iterations` sends it batches from l = GRAM_MIN_ASPECT s = 2 s, a margin for the s x s
+    `newton_schulz_factors` sends it batches from l = GRAM_MIN_ASPECT s = 2 s, a margin for the s x s
     products, which run further from a GPU's peak than the long ones.
     The normalisation is folded into the first Q, as the standard iteration folds it into its first
-    polynomial. Returns [n, rows, cols], contiguous."""
-    a, b, c = NS_COEFFS
-    gram_of, apply = _gram_and_apply(x)
+    polynomial. Returns (Q, x) of the last restart: NS(x) = `polar_product`(Q, x)."""
     r, inv = _scaled_gram(gram_of(x), eps)
     q = None
     for t in range(steps):
         if t and t % GRAM_RESTART_EVERY == 0:
-            x, q = apply(q, x), None
+            x, q = polar_product(q, x), None
             r = gram_of(x)
-        poly = torch.baddbmm(r, r, r, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        poly = quintic(r)
         if q is None:
             q = poly * inv.to(x.dtype) if t == 0 else poly
         else:
             q = torch.bmm(q, poly)
         if t + 1 < steps and (t + 1) % GRAM_RESTART_EVERY:
             r = torch.bmm(poly, torch.bmm(r, poly))
-    return apply(q, x)
+    return q, x
 
 
 def as_matrices(u: Tensor, head_blocks: int | None) -> Tensor:
@@ -270,7 +292,7 @@ def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtyp
     `update_scale`, which the caller folds into its add). One bucket's stack and Newton-Schulz
     intermediates live at a time."""
     for bucket in buckets(us, head_blocks):
-        ortho = newton_schulz_iterations(stack([m for _, m in bucket], ns_dtype), steps, method=ns_method)
+        ortho = polar_product(*newton_schulz_factors(stack([m for _, m in bucket], ns_dtype), steps, method=ns_method))
         yield [i for i, _ in bucket], unstack(ortho, bucket, us), update_scale(ortho)
 
 
@@ -351,7 +373,8 @@ class Muon(torch.optim.Optimizer):
         `bucket_updates` as on one device, and each rank adds the rows of its own shard (a Replicate ->
         Shard redistribute, which is local slicing)."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        us = self.directions(group, params)
+        us = [self.sharded_direction(group, p) for p in params]
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for chunk in shard_chunks(us, heads):
             whole = [us[i].full_tensor() for i in chunk]
@@ -363,53 +386,57 @@ class Muon(torch.optim.Optimizer):
                                                     run_check=False)
                     p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"] * scale)
 
+    def sharded_direction(self, group: dict, p: DTensor) -> DTensor:
+        """`momentum_direction` on a DTensor parameter's local shards: its momentum updated in place and its
+        direction returned as a new DTensor sharded like p."""
+        u = torch.empty_like(p.grad.to_local())
+        momentum_direction(p.grad.to_local(), self.state[p]["momentum_buffer"].to_local(), u, group["momentum"],
+                           group["nesterov"])
+        return DTensor.from_local(u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
     def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
-        """Plain (parameter, head_blocks) pairs: foreach ops for momentum and decay (`momentum`), then per
-        bucket of same-shaped matrices (`buckets` of the parameters) the directions written into one batch
-        (`bucket_directions`), one Newton-Schulz, and one foreach add of the slices with the update scale
-        in its alpha. Transient memory: one bucket's batch with its Newton-Schulz intermediates at a time."""
+        """Plain (parameter, head_blocks) pairs, per bucket of same-shaped matrices (`buckets` of the
+        parameters): the momentum updated and the directions written into one batch (`bucket_directions`),
+        one Newton-Schulz but its last product (`newton_schulz_factors`), and that product taken into the
+        parameters with the decay (`apply_updates`). Transient memory: one bucket's batch with its
+        Newton-Schulz intermediates at a time."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        self.momentum(group, params)
         for bucket in buckets(params, heads):
-            ortho = newton_schulz_iterations(self.bucket_directions(group, params, bucket), group["ns_steps"],
-                                             method=group["ns_method"])
-            torch._foreach_add_([params[i] for i, _ in bucket], unstack(ortho, bucket, params),
-                                alpha=-group["lr"] * update_scale(ortho))
-
-    def momentum(self, group: dict, params: list[Tensor]) -> list[Tensor]:
-        """The elementwise start of a Muon step (foreach ops, on plain tensors or on DTensor shards): momentum
-        m <- beta m + g and the decoupled weight decay p <- (1 - lr wd) p. Returns the momentum buffers."""
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_mul_(bufs, group["momentum"])
-        torch._foreach_add_(bufs, [p.grad for p in params])
-        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-        return bufs
-
-    def directions(self, group: dict, params: list[Tensor]) -> list[Tensor]:
-        """`momentum`, then the directions u = g + beta m (Nesterov) or m, one per parameter (new tensors
-        under Nesterov: the sharded step gathers them whole)."""
-        bufs = self.momentum(group, params)
-        if not group["nesterov"]:
-            return bufs
-        return torch._foreach_add([p.grad for p in params], bufs, alpha=group["momentum"])
+            q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket), group["ns_steps"],
+                                         method=group["ns_method"])
+            self.apply_updates(group, params, bucket, q, y)
 
     def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]]) -> Tensor:
-        """The directions u = g + beta m (Nesterov) or m of one bucket's parameters (after `momentum`), each
-        computed in its parameter's dtype and written into its slice of one batch [sum n_i, rows, cols] in the
-        Newton-Schulz dtype: one pass over g and m per parameter, no separate stack."""
+        """Each of one bucket's parameters' momentum updated, m <- g + beta m, and its direction
+        u = g + beta m (Nesterov) or m computed in the parameter's dtype and written into its slice of one
+        batch [sum n_i, rows, cols] in the Newton-Schulz dtype (`kernels.momentum.momentum_direction`: one
+        read of g and m, one write of m and of the slice)."""
         out = torch.empty((sum(m.size(0) for _, m in bucket), *bucket[0][1].shape[1:]),
                           dtype=NS_DTYPES[group["ns_dtype"]], device=bucket[0][1].device)
         start = 0
         for i, mats in bucket:
             p, n = params[i], mats.size(0)
-            dest = out[start:start + n].view(p.shape)
-            m = self.state[p]["momentum_buffer"]
-            if group["nesterov"]:
-                torch.add(p.grad, m, alpha=group["momentum"], out=dest)
-            else:
-                dest.copy_(m)
+            momentum_direction(p.grad, self.state[p]["momentum_buffer"], out[start:start + n], group["momentum"],
+                               group["nesterov"])
             start += n
         return out
+
+    def apply_updates(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]], q: Tensor,
+                      y: Tensor) -> None:
+        """p <- (1 - lr wd) p - lr 0.2 sqrt(max(rows, cols)) NS(u) for one bucket's parameters, with
+        NS(u) = `polar_product`(q, y) of the bucket's `newton_schulz_factors`. Where the parameters are in the
+        Newton-Schulz dtype, one GEMM per parameter writes into its matrices in place, the decay in its beta
+        and the step in its alpha (the sum in fp32, rounded once; NS(u) is never stored); otherwise the bucket's
+        NS(u) is formed and added by foreach ops after the decay."""
+        decay, alpha = 1 - group["lr"] * group["weight_decay"], -group["lr"] * update_scale(y)
+        if bucket[0][1].dtype == y.dtype:
+            sizes = [m.size(0) for _, m in bucket]
+            for (_, mats), q_i, y_i in zip(bucket, q.split(sizes), y.split(sizes)):
+                polar_product(q_i, y_i, into=mats, beta=decay, alpha=alpha)
+            return
+        targets = [params[i] for i, _ in bucket]
+        torch._foreach_mul_(targets, decay)
+        torch._foreach_add_(targets, unstack(polar_product(q, y), bucket, params), alpha=alpha)
 
     def _adamw_step(self, group: dict) -> None:
         """AdamW by torch's own implementation (torch.optim.AdamW's functional form), not a loop of our own:
