@@ -6,4 +6,6 @@
 - ``kernels.attnres`` and ``kernels.attnres_block``: the AttnRes mixes (full and block), see docs/attnres.md.
 - ``kernels.grouped_glu``: the MoE's checkpointed routed experts, grouped GEMMs with the GLU in their
   epilogues, entry point :func:`kernels.grouped_glu.grouped_glu`.
+- ``kernels.momentum``: Muon's momentum update and Newton-Schulz direction in one pass, entry point
+  :func:`kernels.momentum.momentum_direction`.
 """

@@ -292,7 +292,7 @@ def bucket_updates(us: list[Tensor], head_blocks: list[int], steps: int, ns_dtyp
     `update_scale`, which the caller folds into its add). One bucket's stack and Newton-Schulz
     intermediates live at a time."""
     for bucket in buckets(us, head_blocks):
-        ortho = polar_product(*newton_schulz_factors(stack([m for _, m in bucket], ns_dtype), steps, method=ns_method))
+        ortho = newton_schulz_iterations(stack([m for _, m in bucket], ns_dtype), steps, method=ns_method)
         yield [i for i, _ in bucket], unstack(ortho, bucket, us), update_scale(ortho)
 
 
@@ -308,8 +308,9 @@ class Muon(torch.optim.Optimizer):
     """Muon for hidden matrices, AdamW for the rest (see the module docstring for the maths).
 
     Each param group must say ``use_muon``. Muon groups read lr, weight_decay, momentum, nesterov,
-    ns_steps, ns_dtype ("bf16" or "fp32"), ns_method ("standard" or "gram"), per_head, and head_blocks (one int per parameter, 0 = none,
-    the default; the model's `head_blocks` tags, k3lab/model/tags.py, filled in by k3lab/optim/build.py);
+    ns_steps, ns_dtype ("bf16" or "fp32"), ns_method ("standard" or "gram"), per_head, and head_blocks (one
+    int per parameter, 0 = none, the default; the model's `head_blocks` tags, k3lab/model/tags.py, filled in
+    by k3lab/optim/build.py);
     AdamW groups read lr, weight_decay, betas, eps. Defaults fill missing keys. Parameters may be plain
     tensors or dim-0 DTensor shards (FSDP2; see the module docstring).
     Gradient clipping is not done here: K3LitModule.configure_gradient_clipping clips to
