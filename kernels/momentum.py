@@ -52,16 +52,17 @@ def _momentum_direction(g, m, u, n, beta, NESTEROV: tl.constexpr, BLOCK: tl.cons
 def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: bool, backend: str = "auto") -> None:
     """m <- g + beta m in place; u <- g + beta m (Nesterov) or m, written into u (module docstring).
 
-    g, m, u: the same numel; m and u are written. backend "auto": the Triton kernel on CUDA tensors when
-    Triton is available, else torch; "triton" always the kernel (CPU tensors only under TRITON_INTERPRET=1);
+    g, m, u: the same numel; m and u are written. backend "auto": the Triton kernel on contiguous CUDA tensors
+    when Triton is available, else torch; "triton" always the kernel (CPU tensors only under TRITON_INTERPRET=1);
     "torch" (and "fla", which has no such kernel) the torch form."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown momentum backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if not (g.numel() == m.numel() == u.numel()):
         raise ValueError(f"momentum_direction needs g, m and u of one size, got {g.numel()}, {m.numel()}, "
                          f"{u.numel()} elements")
+    contiguous = g.is_contiguous() and m.is_contiguous() and u.is_contiguous()
     if backend == "auto":
-        backend = "triton" if m.is_cuda and triton is not None else "torch"
+        backend = "triton" if m.is_cuda and triton is not None and contiguous else "torch"
     if backend != "triton":
         torch.add(g, m, alpha=beta, out=m)
         if nesterov:
@@ -71,7 +72,7 @@ def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: b
         return
     if triton is None:
         raise ImportError("momentum backend 'triton' is unavailable: triton is not installed")
-    if not (g.is_contiguous() and m.is_contiguous() and u.is_contiguous()):
+    if not contiguous:
         raise ValueError("the momentum kernel reads and writes contiguous g, m and u")
     n = m.numel()
     if n:

@@ -82,6 +82,11 @@ def test_bad_arguments_say_what_is_valid():
         momentum_direction(g, m, u, 0.9, True, backend="cuda")
     with pytest.raises(ValueError, match="one size, got 10, 10, 9"):
         momentum_direction(g, m, u[:9], 0.9, True)
+    strided = torch.zeros(20)[::2]
+    with pytest.raises(ValueError, match="contiguous g, m and u"):
+        momentum_direction(g, m, strided, 0.9, True, backend="triton")
+    momentum_direction(g, m, strided, 0.9, True)  # auto: the torch form takes any layout
+    assert torch.equal(strided, torch.add(g, m, alpha=0.9))
 
 
 @pytest.mark.gpu
