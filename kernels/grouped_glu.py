@@ -12,7 +12,10 @@ the autograd graph keeps the inputs alone and the backward recomputes gate and u
 
 - forward ``_glu_fwd``: per [BM, BN] tile of the hidden layer, gate g and up u in two fp32 accumulators
   from one pass over x's row block, then h = f(g) c(u) written once in x's dtype (g and u never reach
-  memory); torch._grouped_mm runs h through W3.
+  memory); torch._grouped_mm runs h through W3. With NB > 1 a program loads x's whole row block once
+  (BK >= W) and computes NB consecutive tiles of hidden units from it: with one tile a program, every
+  program reads its x block and two weight tiles from L2, at the K3 shapes 5.9 GB a call for 0.38 TFLOP
+  (about 64 FLOP a byte); a program that keeps x for all 22 tiles of H = 1,408 reads 3.1 GB.
 - backward ``_glu_bwd``: per tile, dh = dy W3[e] and g, u again, all three in one pass over the row blocks
   of dy and x (or dh from one torch._grouped_mm before it: the launch table's `dh`); the epilogue writes
   h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in one [M, 2H] tensor, so that
@@ -50,8 +53,9 @@ jit = triton.jit if triton is not None else (lambda fn: fn)
 # H200 at the K3 default's shapes: 1.53 ms forward; 3.80 ms backward with dh from torch._grouped_mm, where
 # the best with dh in the kernel takes 4.15 ms (a third operand tile per K step: 120 against 72 KiB of shared
 # memory a program at this tile, `python -m benchmarks.kernel_resources`). The [M, H] dh costs the K3 default
-# 0.68 GiB of peak memory for 0.6 ms a step.
-LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
+# 0.68 GiB of peak memory for 0.6 ms a step. The forward's NB: blocks of BN hidden units per program, x's row
+# block kept for all of them (see `_glu_fwd`; above 1 it needs BK >= W).
+LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, NB=1),
           "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm")}
 DH_SOURCES = ("kernel", "grouped_mm")  # LAUNCH["bwd"]["dh"]: see `glu_bwd`
 
@@ -120,13 +124,13 @@ def _glu_parts(g, u, b1, b2, SITU: tl.constexpr, GPU: tl.constexpr):
 
 
 @jit
-def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's expert, rows [BM] with their mask, hidden units [BN] with theirs, and whether it has
-    no rows (a tile past the last)."""
+def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """This program's expert, rows [BM] with their mask, its first block of hidden units [BN] (of NB
+    consecutive ones) with theirs, and whether it has no rows (a tile past the last)."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(tile_start + pid_m), tl.load(tile_end + pid_m)
     rows = start + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
+    cols = pid_n * (NB * BN) + tl.arange(0, BN)
     return tl.load(tile_expert + pid_m).to(tl.int64), rows, rows < end, cols, cols < H, start >= end
 
 
@@ -134,25 +138,47 @@ def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constex
 def _gate_up_step(x_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU: tl.constexpr):
     """g, u += x's [BM, BK] block at k times the [BK, BN] tiles of w1[e]^T and w2[e]^T there."""
     a = tl.load(x_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    wmask = kmask[:, None] & cmask[None, :]
-    g = _dot(a, tl.load(w1 + w_at + k, mask=wmask, other=0.0), g, GPU)
-    u = _dot(a, tl.load(w2 + w_at + k, mask=wmask, other=0.0), u, GPU)
+    return _gate_up(a, w1, w2, w_at + k, kmask[:, None] & cmask[None, :], g, u, GPU)
+
+
+@jit
+def _gate_up(a, w1, w2, w_at, wmask, g, u, GPU: tl.constexpr):
+    """g, u += a [BM, BK] times the [BK, BN] tiles of w1[e]^T and w2[e]^T at offsets w_at (mask wmask)."""
+    g = _dot(a, tl.load(w1 + w_at, mask=wmask, other=0.0), g, GPU)
+    u = _dot(a, tl.load(w2 + w_at, mask=wmask, other=0.0), u, GPU)
     return g, u
 
 
 @jit
 def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2,
-             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
+             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             NB: tl.constexpr):
+    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN, NB)
     if idle:
         return
     ks = tl.arange(0, BK)
     x_at = x + rows.to(tl.int64)[:, None] * W + ks[None, :]                # [BM, BK]
-    w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]        # [BK, BN] of w1[e]^T, w2[e]^T
-    g = tl.zeros((BM, BN), tl.float32)
-    u = tl.zeros((BM, BN), tl.float32)
-    for k in range(0, W, BK):
-        g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
+    if NB == 1:  # one block of hidden units: x's row block streamed in K steps
+        w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]    # [BK, BN] of w1[e]^T, w2[e]^T
+        g = tl.zeros((BM, BN), tl.float32)
+        u = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, W, BK):
+            g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
+        _glu_store(g, u, h, rows, rmask, cols, cmask, H, b1, b2, SITU, GPU)
+    else:  # BK >= W: x's whole row block loaded once and kept for NB blocks of hidden units
+        kmask = ks < W
+        a = tl.load(x_at, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        for nb in range(NB):
+            c = cols + nb * BN
+            w_at = e * H * W + c.to(tl.int64)[None, :] * W + ks[:, None]
+            g, u = _gate_up(a, w1, w2, w_at, kmask[:, None] & (c < H)[None, :], tl.zeros((BM, BN), tl.float32),
+                            tl.zeros((BM, BN), tl.float32), GPU)
+            _glu_store(g, u, h, rows, rmask, c, c < H, H, b1, b2, SITU, GPU)
+
+
+@jit
+def _glu_store(g, u, h, rows, rmask, cols, cmask, H, b1, b2, SITU: tl.constexpr, GPU: tl.constexpr):
+    """h = f(g) c(u) for one [BM, BN] tile of fp32 gate and up, written at (rows, cols) in h's dtype."""
     fg, _, cu, _ = _glu_parts(g, u, b1, b2, SITU, GPU)
     tl.store(h + rows.to(tl.int64)[:, None] * H + cols[None, :], (fg * cu).to(h.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -162,7 +188,7 @@ def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2,
 def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end, H, W, b1, b2,
              SITU: tl.constexpr, DH_IN: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr):
-    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
+    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN, 1)
     if idle:
         return
     ks = tl.arange(0, BK)
@@ -197,15 +223,20 @@ def _offsets(counts: Tensor) -> Tensor:
 def glu_fwd(xs: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: float, b2: float, situ: bool,
             block: dict | None = None) -> Tensor:
     """xs [M, W] sorted by expert, counts [n], w1 and w2 [n, H, W], w3 [n, W, H] (all in xs's dtype) ->
-    y [M, W]. block: BM, BN, BK, num_warps and num_stages in place of ``LAUNCH["fwd"]``."""
+    y [M, W]. block: BM, BN, BK, num_warps, num_stages and NB (blocks of hidden units per program, 1 when
+    absent; above 1 it needs BK >= W) in place of ``LAUNCH["fwd"]``."""
     cfg = LAUNCH["fwd"] if block is None else block
     xs, w1, w2 = xs.contiguous(), w1.contiguous(), w2.contiguous()
     (M, W), H = xs.shape, w1.shape[1]
+    nb = cfg.get("NB", 1)
+    if nb > 1 and cfg["BK"] < W:
+        raise ValueError(f"launch NB={nb} keeps x's whole row block, so BK must be >= the width W={W}; got "
+                         f"BK={cfg['BK']}")
     h = xs.new_empty(M, H)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
-    _glu_fwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
+    _glu_fwd[(triton.cdiv(H, cfg["BN"] * nb), expert.numel())](
         xs, w1, w2, h, expert, start, end, H, W, b1, b2, SITU=situ, GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"],
-        BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BK=cfg["BK"], NB=nb, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return torch._grouped_mm(h, w3.transpose(-2, -1), offs=_offsets(counts))
 
 
