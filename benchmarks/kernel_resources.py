@@ -43,10 +43,9 @@ def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
     fn, tensors = SIGNATURES[kernel]
     names = tensors + TILE_ARGS + ["H", "W", "b1", "b2"]
     signature = dict(zip(names, [f"*{dtype}"] * len(tensors) + ["*i32"] * 3 + ["i32", "i32", "fp32", "fp32"]))
-    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"])
-    if kernel == "fwd":
-        constexprs["NB"] = launch.get("NB", 1)
-    else:
+    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"],
+                      NB=launch.get("NB", 1))
+    if kernel == "bwd":
         constexprs["DH_IN"] = launch["dh"] == "grouped_mm"
     signature.update({name: "constexpr" for name in constexprs})
     order = list(fn.arg_names)
@@ -83,7 +82,7 @@ def register_usage(cubin: bytes) -> tuple[int, int]:
 
 def launches(space: str) -> list[tuple[str, dict]]:
     """(kernel, launch) pairs: the launch table's (its backward with either dh source), or those of
-    benchmarks.moe_bench.TUNE_SPACE and, for the forward, KEEP_X_SPACE."""
+    benchmarks.moe_bench.TUNE_SPACE and KEEP_X_SPACE."""
     if space == "table":
         return [("fwd", gg.LAUNCH["fwd"])] + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh)) for dh in gg.DH_SOURCES]
     from benchmarks.moe_bench import K3_WIDTH, KEEP_X_SPACE, TUNE_SPACE, tune_launches
