@@ -58,8 +58,9 @@ def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
     shared_kib = compiled.metadata.shared / 1024
     registers, spilled = register_usage(compiled.asm["cubin"])
     by_registers = SM_REGISTERS // (-(-registers // 8) * 8 * 32 * launch["num_warps"])
+    by_shared = int(SM_SHARED_KIB // shared_kib) if shared_kib else by_registers
     return dict(kernel=kernel, launch=launch, shared_kib=shared_kib, registers=registers, spilled_bytes=spilled,
-                programs_per_sm=min(int(SM_SHARED_KIB // shared_kib) if shared_kib else by_registers, by_registers),
+                programs_per_sm=min(by_shared, by_registers),
                 pipelined="async_copy_global_to_local" in ttgir or "async_tma_copy" in ttgir,
                 wgmma=bool(re.search(r"warp_group_dot\b", ttgir)))
 

@@ -145,11 +145,8 @@ def tune_launches(kernel: str, space: dict, width: int, keep_x: dict | None = No
                 and launch["num_stages"] * launch["BK"] <= max(width, launch["BK"])]
     if keep_x:
         whole = 1 << (width - 1).bit_length()
-        for values in itertools.product(*keep_x.values(), *([space["dh"]] if kernel == "bwd" else [])):
-            c = dict(zip([*keep_x, "dh"], values))
-            launches.append(dict(BM=c["BM"], BN=c["BN"], BK=whole, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"], **({"dh": c["dh"]} if kernel == "bwd" else {}),
-                                 NB=c["NB"]))
+        kept = [dict(zip(keep_x, values), BK=whole) for values in itertools.product(*keep_x.values())]
+        launches += [dict(c, dh=dh) for c in kept for dh in space["dh"]] if kernel == "bwd" else kept
     return launches
 
 

@@ -19,8 +19,9 @@ the autograd graph keeps the inputs alone and the backward recomputes gate and u
 - backward ``_glu_bwd``: per tile, dh = dy W3[e] and g, u again, all three in one pass over the row blocks
   of dy and x (or dh from one torch._grouped_mm before it: the launch table's `dh`); the epilogue writes
   h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in one [M, 2H] tensor, so that
-  dx = [dg du] [W1; W2] and [dW1; dW2] = [dg du]^T x are one grouped GEMM each (torch._grouped_mm), and
-  dW3 = dy^T h another. NB > 1 keeps the row blocks of x (and dy) as in the forward.
+  dx = [dg du] [W1; W2] is one grouped GEMM (torch._grouped_mm), dW1 = dg^T x and dW2 = du^T x one each
+  from its column blocks (no copies), and dW3 = dy^T h another. NB > 1 keeps the row blocks of x (and dy)
+  as in the forward.
 
 Checkpointed and unfused, the forward writes gate and up, reads them for the GLU and writes h, twice (once
 more in the backward), and the backward's GLU gradient reads gate, up and dh and writes dg and du: at the

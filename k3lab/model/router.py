@@ -133,9 +133,10 @@ def qb_quantile_exact(margins: torch.Tensor, k: int, m: int | None = None) -> to
     n = margins.shape[1]
     m = margins.shape[0] if m is None else m
     c = qb_target_rank(m, n, k)
-    # the smallest of each column's c largest, selected along contiguous rows of the transpose: on the H200
-    # at [32,768, 64] fp32 and c = 4,096, 0.12 ms, where kthvalue took 0.16 ms on the transpose and 0.31
-    # ms down the strided columns
+    # the smallest of each column's c largest, counted from the top so the -inf padding never enters, and
+    # selected along contiguous rows of the transpose: on the H200 at [32,768, 64] fp32 and c = 4,096, two
+    # calls timed it at 0.12 and 0.17 ms, kthvalue on the transpose at 0.16 and 0.15, kthvalue down the
+    # strided columns at 0.31 and 0.29 (benchmarks/RESULTS.md)
     return torch.topk(margins.t().contiguous(), c, dim=1, sorted=False).values.amin(dim=1)
 
 
