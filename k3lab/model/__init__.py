@@ -9,6 +9,7 @@
     residual.py  the residual stream interface and the PreNorm residual
     attnres.py   Attention Residuals (the `residual` switch)
     norm.py      RMSNorm
+    matmul.py    products of 16-bit operands with fp32 results (the router's logits, the head's dL/dW)
     tags.py      parameter tags read by the initialiser and the optimizer
 
 Training, compilation, distribution and logging are applied from outside (k3lab/lit.py, k3lab/train.py).

@@ -6,7 +6,8 @@
 Tokens are processed `chunk` at a time: a chunk's logits [chunk, V] are one matmul in the compute dtype
 (the autocast dtype under autocast, else h's), the log-sum-exp and the loss are taken in fp32, and, when
 gradients are needed, the chunk's softmax-minus-one-hot [chunk, V] is turned into its share of dL/dh and
-dL/dW (fp32 accumulator) at once, in the forward, before the next chunk is computed. The backward only
+dL/dW (fp32 accumulator; with 16-bit operands the GEMM adds its fp32 product into it, `addmm_fp32`) at once,
+in the forward, before the next chunk is computed. The backward only
 scales those two tensors by the incoming gradient. So the head's memory is one chunk's logits plus
 dL/dh [N, D] and dL/dW [V, D], instead of fp32 logits and their gradient (8.6 GB at 32,768 tokens and a
 32,768 vocabulary), and it costs the head's three matmuls (logits, dL/dh, dL/dW), none recomputed.
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from k3lab.model.matmul import HALF_DTYPES, addmm_fp32
 
 IGNORE_INDEX = -100
 CHUNK_LOGITS = 2**26  # default chunk: at most this many logits (256 MB in fp32) per chunk
@@ -94,7 +97,8 @@ def _chunked(h, weight, targets, ignore_index, chunk, dtype, with_grad):
                 g = g.to(dtype)
                 keep = valid[:, None].to(dtype)                               # rows without a target: no gradient
                 grad_h[start:start + chunk] = ((g @ w) * keep).to(h.dtype)
-                grad_w += (g.T @ (x * keep)).float()
+                xk = x * keep
+                grad_w = addmm_fp32(grad_w, g.T, xk) if dtype in HALF_DTYPES else grad_w + g.T @ xk
         count = (targets != ignore_index).sum()
     return loss, correct, count, grad_h, grad_w
 

@@ -29,11 +29,11 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import BalanceConfig
 from k3lab.distributed import all_gather_rows, all_reduce_sum, is_distributed
+from k3lab.model.matmul import router_logits
 from k3lab.switches import check_option
 from k3lab.model.tags import tag
 
@@ -83,7 +83,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+            scores = torch.sigmoid(router_logits(x, self.weight))
         return route(scores, self.bias, self.top_k)
 
 
