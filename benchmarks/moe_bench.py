@@ -5,6 +5,7 @@ in their checkpointed forms.
     python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
     python -m benchmarks.moe_bench --tune               # the fused experts' launch table, swept there
     python -m benchmarks.moe_bench --routing            # QB's cutoffs and the expert counts, each form
+    python -m benchmarks.moe_bench --combine            # the experts' outputs mixed back per token, two forms
     python -m benchmarks.moe_bench --routing --experts --tune  # the three tables above in one run
     python -m benchmarks.moe_bench --device cpu --small # tiny shapes, fp32 (a smoke test of the script)
 
@@ -34,6 +35,14 @@ the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --sma
 (k3lab.model.router.qb_quantile_exact); the tokens per expert by scatter-add (router.count_ids), bincount
 and the one-hot column sums (router.expert_load), eager and compiled. Each row is checked against the
 first of its group; microseconds per call and the time over that first row.
+
+--combine: the last step of k3lab.model.moe.dispatch_combine at the same routing (262,144 pairs of width 256,
+bf16 on CUDA): the pairs' outputs gathered back into (token, slot) order and summed with the gating weights
+in fp32, forward + backward, compiled. `sum over slots` is `moe.combine` (Inductor makes one reduction over the
+k slots, gathering along it); `slots added in turn` writes the same sum as k - 1 adds of slot slices, which
+Inductor makes a pointwise kernel that gathers k rows per output row. Each form's output and gradients are
+checked against the first form's (fp32 rounding of the sum's order); microseconds per call and the time over
+the first form.
 """
 from __future__ import annotations
 
@@ -220,6 +229,53 @@ def routing_rows(device: str, small: bool, iters: int, warmup: int) -> list[dict
     return rows
 
 
+def combine_by_slot(ys: torch.Tensor, inverse: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`k3lab.model.moe.combine` with the sum over the k slots written as k - 1 adds of slot slices."""
+    m, k = weight.shape
+    y = ys[inverse].reshape(m, k, -1)
+    acc = torch.promote_types(y.dtype, torch.float32)
+    out = y[:, 0].to(acc) * weight[:, :1].to(acc)
+    for j in range(1, k):
+        out = out + y[:, j].to(acc) * weight[:, j:j + 1].to(acc)
+    return out.to(dtype)
+
+
+def combine_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
+    """The --combine table (module docstring): one row per form."""
+    from k3lab.model.moe import combine
+
+    tokens, k, width = (512, 4, 16) if small else (32_768, 8, K3_WIDTH)
+    torch.manual_seed(0)
+    ys = torch.randn(tokens * k, width, device=device, dtype=dtype)
+    inverse = torch.randperm(tokens * k, device=device)
+    weight = torch.rand(tokens, k, device=device).softmax(-1)
+    g = torch.randn(tokens, width, device=device, dtype=dtype)
+    compiled = torch.compile if device.startswith("cuda") else (lambda fn: fn)
+    forms = {"sum over slots (moe.combine)": compiled(combine), "slots added in turn": compiled(combine_by_slot)}
+
+    def fwd_bwd(fn) -> list[torch.Tensor]:
+        y, w = ys.detach().requires_grad_(), weight.detach().requires_grad_()
+        out = fn(y, inverse, w, dtype)
+        out.backward(g)
+        return [out.detach().float(), y.grad.float(), w.grad.float()]
+
+    rows, want, first = [], None, None
+    print(f"combine: {tokens:,} tokens, top-{k}, width {width}, {str(dtype).removeprefix('torch.')}, {device}; "
+          f"forward + backward, mean of {iters}\n")
+    print("| form | us | max rel. error vs the first | time / first form |\n|---|---:|---:|---:|")
+    for form, fn in forms.items():
+        got = fwd_bwd(fn)
+        want = want or got
+        error = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
+        if error > 1e-2:
+            raise AssertionError(f"combine: {form} differs from the first form by {error:.1e} (relative)")
+        us = timed_ms(lambda: fwd_bwd(fn), device, iters, warmup) * 1e3
+        first = first or us
+        rows.append(dict(form=form, us=us, max_rel_error=error, ratio=us / first))
+        print(f"| {form} | {us:.1f} | {error:.1e} | {us / first:.2f} |")
+    return rows
+
+
 def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
     """The --experts table (module docstring): one row per form that runs on this device."""
     experts, counts, xs, dy = expert_inputs(device, dtype, small)
@@ -274,13 +330,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
     ap.add_argument("--tune", action="store_true", help="sweep the fused experts' launch table (docstring)")
     ap.add_argument("--routing", action="store_true", help="QB's cutoffs and the expert counts, each form")
+    ap.add_argument("--combine", action="store_true", help="the experts' outputs mixed back per token, two forms")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     iters = args.iters or (2 if args.small else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 5)
-    if args.routing or args.experts or args.tune:  # the parts alone: any of the three tables, in this order
+    if args.routing or args.combine or args.experts or args.tune:  # the parts alone: any of the tables, in order
         return ((routing_rows(args.device, args.small, iters, warmup) if args.routing else [])
+                + (combine_rows(args.device, dtype, args.small, iters, warmup) if args.combine else [])
                 + (experts_rows(args.device, dtype, args.small, iters, warmup) if args.experts else [])
                 + (tune_rows(args.device, dtype, args.small, iters, warmup) if args.tune else []))
     has_grouped = grouped_available(args.device, dtype)

@@ -65,3 +65,14 @@ def test_routing_benchmark_runs_on_cpu(capsys):
     assert [r["selection"] for r in rows] == ["QB cutoffs"] * 3 + ["tokens per expert"] * 5
     assert all(r["us"] > 0 for r in rows) and rows[0]["ratio"] == rows[3]["ratio"] == 1.0
     assert "| QB cutoffs | topk, transposed (qb_quantile_exact) |" in capsys.readouterr().out
+
+
+def test_combine_benchmark_runs_on_cpu(capsys):
+    """--combine --small on the CPU: both forms of the experts' mix back per token, the second checked against
+    moe.combine inside the benchmark (it raises beyond fp32 rounding), timed against it."""
+    from benchmarks import moe_bench as bench
+
+    rows = bench.main(["--device", "cpu", "--small", "--combine", "--iters", "1", "--warmup", "0"])
+    assert [r["form"] for r in rows] == ["sum over slots (moe.combine)", "slots added in turn"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["max_rel_error"] < 1e-6 and all(r["us"] > 0 for r in rows)
+    assert "| slots added in turn |" in capsys.readouterr().out

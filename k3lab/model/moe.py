@@ -183,9 +183,17 @@ def dispatch_combine(experts: GroupedExperts, h: torch.Tensor, routing: Routing,
         ys = experts(xs, counts, dispatch)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    y = ys[inverse].reshape(m, k, -1)                    # back to (token, slot)
-    acc = torch.promote_types(y.dtype, torch.float32)    # mix in fp32 (or fp64) whatever the expert dtype
-    return (y.to(acc) * routing.weight[..., None].to(acc)).sum(1).to(h.dtype)
+    return combine(ys, inverse, routing.weight, h.dtype)
+
+
+def combine(ys: torch.Tensor, inverse: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pairs' expert outputs ys [m*k, w] (sorted by expert) put back in (token, slot) order by inverse
+    [m*k] and mixed with the gating weights [m, k]: sum_j p_ij y_ij [m, w] in dtype, the sum in fp32 (or fp64)
+    whatever the expert dtype."""
+    m, k = weight.shape
+    y = ys[inverse].reshape(m, k, -1)
+    acc = torch.promote_types(y.dtype, torch.float32)
+    return (y.to(acc) * weight[..., None].to(acc)).sum(1).to(dtype)
 
 
 class MoE(nn.Module):
