@@ -16,7 +16,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
   device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
   CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
-  torch.profiler, printed as the ops with the most device time and, on a GPU, where the device waited
+  torch.profiler, printed as the ops with the most device time, the matrix products by input shapes with
+  the TFLOP/s each reached (`matmul_shapes`) and, on a GPU, where the device waited
   (`idle_gaps`: its idle gaps, charged to the host ops running when they opened) and where its copies
   came from (`launch_sites`); none of it is in the table or the peak, and the trainer path does the same
   through a callback. A compiled row, on either path, also prints how many graphs dynamo compiled and its
@@ -263,18 +264,59 @@ def profiler(device: torch.device) -> torch.profiler.profile:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
 
 
 def top_ops(prof: torch.profiler.profile, device: torch.device, rows: int = 50) -> str:
     """The ops with the most time on the device (the CPU when there is no GPU), self time, as torch's
-    key_averages table; on a GPU followed by `idle_gaps`, where the device waited, and `launch_sites`, where
-    its copies and generic elementwise kernels came from."""
+    key_averages table, then `matmul_shapes`, each matrix product's time and rate by input shapes; on a GPU
+    followed by `idle_gaps`, where the device waited, and `launch_sites`, where its copies and generic
+    elementwise kernels came from."""
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    shapes = matmul_shapes(prof, key)
     if device.type != "cuda":
-        return table
-    return "\n".join([table, idle_gaps(*timeline(prof)), launch_sites(prof.events())])
+        return "\n".join([table, shapes])
+    return "\n".join([table, shapes, idle_gaps(*timeline(prof)), launch_sites(prof.events())])
+
+
+# products that add into their first input: the product op their other two inputs make
+ADDED_TO = {"aten::addmm": "aten::mm", "aten::baddbmm": "aten::bmm", "aten::baddbmm_": "aten::bmm"}
+
+
+def product_flops(op: str, shapes: list) -> int | None:
+    """FLOPs of one call of a matrix-product op from its recorded input shapes (2 m k n per product; a
+    grouped product's groups together), or None for any other op."""
+    if op in ADDED_TO:
+        op, shapes = ADDED_TO[op], shapes[1:]
+    if op == "aten::mm" and len(shapes) >= 2 and len(shapes[0]) == len(shapes[1]) == 2:
+        (m, k), (_, n) = shapes[:2]
+        return 2 * m * k * n
+    if op == "aten::bmm" and len(shapes) >= 2 and len(shapes[0]) == len(shapes[1]) == 3:
+        (b, m, k), (_, _, n) = shapes[:2]
+        return 2 * b * m * k * n
+    if op == "aten::_grouped_mm" and len(shapes) >= 2 and len(shapes[0]) == 2 and len(shapes[1]) in (2, 3):
+        (m, k), n = shapes[0], shapes[1][-1]  # [M, K] x [groups, K, N], or [K', M'] x [M', N] (groups along M')
+        return 2 * m * k * n
+    return None
+
+
+def matmul_shapes(prof: torch.profiler.profile, key: str, rows: int = 25) -> str:
+    """The matrix products of a profile by op and input shapes (the non-scalar ones, as recorded), the most
+    time first: total self time (`key`), calls, and TFLOP/s by `product_flops` (what each GEMM shape reaches,
+    which the per-op table cannot say)."""
+    found = []
+    for avg in prof.key_averages(group_by_input_shape=True):
+        flops = product_flops(avg.key, avg.input_shapes)
+        if flops is not None:
+            found.append((getattr(avg, key), avg.count, avg.key, avg.input_shapes, flops))
+    if not found:
+        return "No matrix products in the profile."
+    lines = ["Matrix products by input shapes (self time, calls, TFLOP/s):"]
+    for us, count, op, shapes, flops in sorted(found, key=lambda f: -f[0])[:rows]:
+        rate = f"{flops * count / us / 1e6:8.2f}" if us > 0 else "       -"
+        lines.append(f"  {us / 1e3:9.3f} ms  {count:5d} x  {rate}  {op} {', '.join(str(s) for s in shapes if s)}")
+    return "\n".join(lines)
 
 
 # device kernels whose names do not say which code launched them: copies and torch's generic elementwise loops

@@ -73,6 +73,7 @@ def test_profile_covers_both_paths_after_their_timed_steps(corpus, tmp_path, mon
     for path in ("bare", "trainer"):
         table = said.split(f"Profile of 1 {path} steps, (overrides only):\n")[1]
         assert "Self CPU" in table.splitlines()[1] and "aten::mm" in table, said
+        assert "Matrix products by input shapes" in table, said
     assert text.count("| (overrides only) |") == 2
 
 
@@ -100,6 +101,33 @@ def test_idle_gaps_charge_each_gap_to_the_launching_threads_ops():
         torch.ones(8, 8) @ torch.ones(8, 8)
     device_spans, host_spans = timeline(prof)
     assert device_spans == [] and any(s.name == "aten::mm" and s.end > s.start for s in host_spans)
+
+
+def test_matmul_shapes_give_each_products_flops_by_its_shapes():
+    """2 m k n per product for mm, bmm, the ops that add into their first input and both grouped layouts;
+    none for other ops. The table groups a profile's calls by shapes, the most time first."""
+    from benchmarks.step import matmul_shapes, product_flops
+
+    assert product_flops("aten::mm", [[64, 128], [128, 32]]) == 2 * 64 * 128 * 32
+    assert product_flops("aten::addmm", [[64, 32], [64, 128], [128, 32]]) == 2 * 64 * 128 * 32
+    assert product_flops("aten::bmm", [[4, 8, 16], [4, 16, 8]]) == 2 * 4 * 8 * 16 * 8
+    assert product_flops("aten::baddbmm_", [[4, 8, 8], [4, 8, 16], [4, 16, 8]]) == 2 * 4 * 8 * 16 * 8
+    assert product_flops("aten::_grouped_mm", [[262144, 256], [64, 256, 1408], [64]]) == 2 * 262144 * 256 * 1408
+    assert product_flops("aten::_grouped_mm", [[1408, 262144], [262144, 256], [64]]) == 2 * 1408 * 262144 * 256
+    assert product_flops("aten::add", [[4], [4]]) is None and product_flops("aten::mm", [[4, 4]]) is None
+    a, b = torch.randn(64, 128), torch.randn(128, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(3):
+            a @ b
+        torch.bmm(torch.randn(4, 8, 16), torch.randn(4, 16, 8))
+        a + 1
+    lines = matmul_shapes(prof, "self_cpu_time_total").splitlines()
+    assert lines[0].startswith("Matrix products by input shapes") and len(lines) == 3
+    assert any(" 3 x " in line and line.endswith("aten::mm [64, 128], [128, 32]") for line in lines[1:]), lines
+    assert any(" 1 x " in line and line.endswith("aten::bmm [4, 8, 16], [4, 16, 8]") for line in lines[1:]), lines
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        a + 1
+    assert matmul_shapes(prof, "self_cpu_time_total") == "No matrix products in the profile."
 
 
 def test_launch_sites_sum_copies_by_the_chain_of_host_ops_that_launched_them():
