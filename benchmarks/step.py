@@ -69,7 +69,7 @@ from omegaconf import DictConfig
 from k3lab.config import DataConfig, ModelConfig, OptimConfig, compile_mode, model_config, typed
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
-from k3lab.lit import peak_flops
+from k3lab.lit import clip_grad_norm, peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
 from k3lab.rundir import read_metrics
@@ -204,12 +204,12 @@ def saved_tensors_table(forward, rows: int = 12) -> str:
 
 def training_step(model: K3Model, opt, sched, clip: float, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
     """One step of the bare loop on the batch x, y [B, T]: the loss (mean cross-entropy + router aux loss)
-    under `autocast`, backward, gradient clipping to `clip`, optimizer and LR-scheduler step, zero_grad and
-    the router-bias update, as the training module does."""
+    under `autocast`, backward, gradient clipping to `clip` (k3lab.lit.clip_grad_norm), optimizer and
+    LR-scheduler step, zero_grad and the router-bias update, as the training module does."""
     with autocast:
         loss = model(x, y).mean + model.aux_loss()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    clip_grad_norm(model.parameters(), clip, opt)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)

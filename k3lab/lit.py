@@ -85,15 +85,22 @@ def check_finite(loss: torch.Tensor, step: int, reduce,
     return sums, norms
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Clip the gradients of `params` to global L2 norm `max_norm` (inf: only measure); returns the norm
     before clipping as a 0-dim device tensor (no host sync). Gradients may be DTensor shards (FSDP2): their
-    norm is the full gradient's."""
+    norm is the full gradient's. The factor is torch's, min(1, max_norm / (norm + 1e-6)), in fp32; an
+    optimizer with `scale_grads` (Muon) takes it and applies it where its step reads the gradients (no pass
+    over them here), else the gradients are multiplied in place (torch.nn.utils.clip_grads_with_norm_)."""
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if math.isinf(max_norm):
+        return norm
+    if hasattr(optimizer, "scale_grads"):
+        optimizer.scale_grads((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
@@ -156,7 +163,7 @@ class K3LitModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         """Clip to optim.grad_clip, and read the window when the step about to be taken logs or is saved."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        norm = clip_grad_norm(self.parameters(), clip)
+        norm = clip_grad_norm(self.parameters(), clip, optimizer)
         self._window.append(torch.stack([self._step_loss.float(), norm.float()]))
         if self.read_due(self.global_step + 1):
             self.read_window(self.global_step)

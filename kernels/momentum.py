@@ -1,11 +1,13 @@
 """Muon's elementwise start of a step, fused in Triton beside its plain-PyTorch form: the momentum update and
 the direction Newton-Schulz orthogonalises, one read of the gradient and momentum and one write of each result.
 
-    m <- g + beta m                              (in place, rounded once to m's dtype)
-    u <- g + beta m  (Nesterov)  or  m           (rounded to m's dtype, then written in u's dtype)
+    m <- s g + beta m                            (in place, rounded once to m's dtype)
+    u <- s g + beta m  (Nesterov)  or  m         (rounded to m's dtype, then written in u's dtype)
 
 g, m: one parameter's gradient and momentum buffer (any shape, the same numel, contiguous for the kernel);
-u: where the direction goes, typically that parameter's slice of a Newton-Schulz batch in bf16.
+u: where the direction goes, typically that parameter's slice of a Newton-Schulz batch in bf16; s: an
+optional 0-dim fp32 tensor on the device (gradient clipping's factor), read by the kernel, so that clipping
+needs no pass of its own over the gradients.
 The torch form takes three passes over the elements for the momentum (read m and g, write m) and three for
 the direction; the kernel takes four (read g and m, write m and u). At the K3 default's 888 million Muon
 parameters (benchmarks/muon_bench.py) each pass is 1.8 GB of bf16.
@@ -35,11 +37,15 @@ __all__ = ["momentum_direction"]
 
 
 @jit
-def _momentum_direction(g, m, u, n, beta, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
-    """One block of BLOCK elements: m <- g + beta m (m's dtype); u <- g + beta m or m (m's dtype, then u's)."""
+def _momentum_direction(g, m, u, scale, n, beta, NESTEROV: tl.constexpr, SCALED: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One block of BLOCK elements: m <- s g + beta m (m's dtype); u <- s g + beta m or m (m's dtype, then
+    u's); s = scale[0] when SCALED, else 1."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     grad = tl.load(g + offs, mask=mask).to(tl.float32)
+    if SCALED:
+        grad = grad * tl.load(scale)
     mom = (grad + beta * tl.load(m + offs, mask=mask).to(tl.float32)).to(m.dtype.element_ty)
     tl.store(m + offs, mom, mask=mask)
     if NESTEROV:
@@ -49,12 +55,14 @@ def _momentum_direction(g, m, u, n, beta, NESTEROV: tl.constexpr, BLOCK: tl.cons
     tl.store(u + offs, direction.to(u.dtype.element_ty), mask=mask)
 
 
-def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: bool, backend: str = "auto") -> None:
-    """m <- g + beta m in place; u <- g + beta m (Nesterov) or m, written into u (module docstring).
+def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: bool, backend: str = "auto",
+                       scale: Tensor | None = None) -> None:
+    """m <- s g + beta m in place; u <- s g + beta m (Nesterov) or m, written into u (module docstring).
 
-    g, m, u: the same numel; m and u are written. backend "auto": the Triton kernel on contiguous CUDA tensors
-    when Triton is available, else torch; "triton" always the kernel (CPU tensors only under TRITON_INTERPRET=1);
-    "torch" (and "fla", which has no such kernel) the torch form."""
+    g, m, u: the same numel; m and u are written; scale: s, a 0-dim fp32 tensor on g's device, or None (1).
+    backend "auto": the Triton kernel on contiguous CUDA tensors when Triton is available, else torch;
+    "triton" always the kernel (CPU tensors only under TRITON_INTERPRET=1); "torch" (and "fla", which has no
+    such kernel) the torch form, where s g is rounded to g's dtype first (the kernel keeps it in fp32)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown momentum backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if not (g.numel() == m.numel() == u.numel()):
@@ -64,6 +72,8 @@ def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: b
     if backend == "auto":
         backend = "triton" if m.is_cuda and triton is not None and contiguous else "torch"
     if backend != "triton":
+        if scale is not None:
+            g = g * scale  # g's dtype, rounded once: what clipping's in-place multiply leaves in g
         torch.add(g, m, alpha=beta, out=m)
         if nesterov:
             torch.add(g, m, alpha=beta, out=u.view_as(m))  # computed in m's dtype, then cast to u's
@@ -76,4 +86,5 @@ def momentum_direction(g: Tensor, m: Tensor, u: Tensor, beta: float, nesterov: b
         raise ValueError("the momentum kernel reads and writes contiguous g, m and u")
     n = m.numel()
     if n:
-        _momentum_direction[(triton.cdiv(n, LAUNCH["BLOCK"]),)](g, m, u, n, beta, NESTEROV=nesterov, **LAUNCH)
+        _momentum_direction[(triton.cdiv(n, LAUNCH["BLOCK"]),)](
+            g, m, u, g if scale is None else scale, n, beta, NESTEROV=nesterov, SCALED=scale is not None, **LAUNCH)

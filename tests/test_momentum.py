@@ -2,7 +2,7 @@
 
 CPU: the Triton kernel runs under TRITON_INTERPRET=1 in one fresh subprocess (this file run as a script) on
 a ragged size (three blocks, the last one part full), every pair of parameter and direction dtypes the
-optimizer writes, Nesterov and heavy ball; the tests assert on the largest differences it reports from the
+optimizer writes, Nesterov and heavy ball, with and without a gradient scale; the tests assert on the largest differences it reports from the
 torch form, in ulps (of the parameter dtype for m; for u of the coarser of the two dtypes it is rounded
 to). The torch form and the argument checks run in-process.
 CUDA (``pytest -m gpu``): the same comparison at an expert stack's size, and one Muon step of bf16 weights
@@ -21,6 +21,7 @@ N = 2 * LAUNCH["BLOCK"] + 37  # three programs, the last holding 37 elements
 CASES = {f"{p}_{u}_{'nesterov' if n else 'heavy_ball'}": (p, u, n)
          for p, u in [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
                       ("bfloat16", "float32")] for n in (True, False)}
+SCALE = 0.37  # the gradient's factor in the scaled cases (gradient clipping's, `scale=`)
 LIMIT = 2  # ulps: the torch form may round g + beta*m as one fused multiply-add, and u follows m
 
 
@@ -32,14 +33,15 @@ def make_inputs(n, param_dtype, direction_dtype, device="cpu", seed=0):
     return g, m, torch.empty(n, dtype=getattr(torch, direction_dtype), device=device)
 
 
-def differences(g, m, u, nesterov, beta=0.95) -> dict:
-    """Run both forms from the same (g, m): the largest |difference| of m and of u in ulps at each element's
-    magnitude (at least 1), of m's dtype for m and of the coarser of m's and u's for u, and whether the kernel
-    changed m at all."""
+def differences(g, m, u, nesterov, beta=0.95, scale=None) -> dict:
+    """Run both forms from the same (g, m) (and scale, a float or None): the largest |difference| of m and of u
+    in ulps at each element's magnitude (at least 1), of m's dtype for m and of the coarser of m's and u's for
+    u, and whether the kernel changed m at all."""
+    s = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=g.device)
     m_torch, u_torch = m.clone(), torch.empty_like(u)
-    momentum_direction(g, m_torch, u_torch, beta, nesterov, backend="torch")
+    momentum_direction(g, m_torch, u_torch, beta, nesterov, backend="torch", scale=s)
     m_kernel = m.clone()
-    momentum_direction(g, m_kernel, u, beta, nesterov, backend="triton")
+    momentum_direction(g, m_kernel, u, beta, nesterov, backend="triton", scale=s)
 
     def ulps(a, b):
         eps = max(torch.finfo(m.dtype).eps, torch.finfo(a.dtype).eps)
@@ -49,7 +51,8 @@ def differences(g, m, u, nesterov, beta=0.95) -> dict:
 
 
 def _run_checks() -> dict:
-    return {name: differences(*make_inputs(N, p, u), nesterov) for name, (p, u, nesterov) in CASES.items()}
+    return {f"{name}{suffix}": differences(*make_inputs(N, p, u), nesterov, scale=scale)
+            for name, (p, u, nesterov) in CASES.items() for suffix, scale in (("", None), ("_scaled", SCALE))}
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +60,20 @@ def interpreted():
     return run_interpreted(__file__)
 
 
+@pytest.mark.parametrize("scaled", ["", "_scaled"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_the_torch_form(interpreted, case):
-    got = interpreted[case]
+def test_kernel_equals_the_torch_form(interpreted, case, scaled):
+    got = interpreted[case + scaled]
     assert got["moved"] and got["m"] <= LIMIT and got["u"] <= LIMIT, got
+
+
+def test_scale_multiplies_the_gradient_first():
+    """scale s: the torch form is the unscaled one on g * s (what clipping's in-place multiply leaves in g)."""
+    g, m, u = make_inputs(1000, "bfloat16", "bfloat16")
+    m_scaled, u_scaled = m.clone(), torch.empty_like(u)
+    momentum_direction(g, m_scaled, u_scaled, 0.9, True, backend="torch", scale=torch.tensor(SCALE))
+    momentum_direction(g * torch.tensor(SCALE), m, u, 0.9, True, backend="torch")
+    assert torch.equal(m_scaled, m) and torch.equal(u_scaled, u)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -92,9 +105,11 @@ def test_bad_arguments_say_what_is_valid():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_kernel_equals_the_torch_form(case):
+@pytest.mark.parametrize("scale", [None, SCALE])
+def test_cuda_kernel_equals_the_torch_form(case, scale):
     param_dtype, direction_dtype, nesterov = CASES[case]
-    got = differences(*make_inputs(64 * 1408 * 256 + 5, param_dtype, direction_dtype, device="cuda"), nesterov)
+    got = differences(*make_inputs(64 * 1408 * 256 + 5, param_dtype, direction_dtype, device="cuda"), nesterov,
+                      scale=scale)
     assert got["moved"] and got["m"] <= LIMIT and got["u"] <= LIMIT, got
 
 
@@ -113,7 +128,7 @@ def test_cuda_muon_step_with_the_kernel_equals_the_torch_form(monkeypatch):
     results = []
     for backend in ("triton", "torch"):
         monkeypatch.setattr(muon_module, "momentum_direction",
-                            lambda *a, backend_=backend: momentum_direction(*a, backend=backend_))
+                            lambda *a, backend_=backend, **kw: momentum_direction(*a, backend=backend_, **kw))
         params = [torch.nn.Parameter(p.clone()) for p in start]
         opt = Muon([dict(params=params, use_muon=True, lr=0.02, weight_decay=0.1)])
         for _ in range(2):

@@ -739,6 +739,33 @@ def test_same_grads_give_bitwise_same_update():
         assert torch.equal(pa, pb)
 
 
+def test_scale_grads_moves_the_weights_as_clipping_the_gradients_first():
+    """clip_grad_norm handing its factor to Muon.scale_grads (the Muon groups' gradients multiplied where the
+    momentum update reads them, the AdamW groups' at once) moves the weights bit for bit as clipping the
+    gradients in place; the Muon gradients stay as they were, and the factor holds for one step only."""
+    from k3lab.lit import clip_grad_norm
+
+    a, b = seeded_toy(), seeded_toy()
+    opt_a, _ = build_optimizer(a, OptimConfig(warmup_steps=2), total_steps=10)
+    opt_b, _ = build_optimizer(b, OptimConfig(warmup_steps=2), total_steps=10)
+    for step in range(3):
+        loss_of(a, toy_batch(seed=step)).backward()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            pb.grad = pa.grad.clone()
+        muon = [p for g in opt_a.param_groups if g["use_muon"] for p in g["params"]]
+        muon_grads = [p.grad.clone() for p in muon]
+        if step < 2:  # the third step is not clipped: a factor left over would still scale it
+            norm = clip_grad_norm(a.parameters(), 0.05, opt_a)
+            assert torch.equal(norm, clip_grad_norm(b.parameters(), 0.05)) and norm > 0.05
+            assert all(torch.equal(p.grad, g) for p, g in zip(muon, muon_grads))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), step
+
+
 @pytest.mark.parametrize("name", ["muon_per_head", "adamw"])
 def test_state_dict_resume_is_exact(name):
     def run(steps, model, opt, sched, start=0):

@@ -330,6 +330,25 @@ def test_training_reads_the_device_only_at_log_and_checkpoint_steps(corpus, tmp_
     assert [r["step"] for r in rows(tmp_path / "default" / "reads") if "loss/train" in r] == [4, 8]
 
 
+def test_the_trainers_clipping_reaches_muons_step(corpus, tmp_path, monkeypatch):
+    """Under the Lightning trainer, configure_gradient_clipping hands its factor to the optimizer that steps:
+    with optim.grad_clip far below the gradients' norm, every Muon group of every step reads a factor below 1."""
+    from k3lab.optim import Muon
+
+    seen, original = [], Muon._muon_step
+
+    def recording(self, group, scale=None):
+        seen.append(None if scale is None else float(scale))
+        return original(self, group, scale)
+
+    monkeypatch.setattr(Muon, "_muon_step", recording)
+    args = overrides(corpus, tmp_path, "moe=dense", "train.max_steps=3", "optim.grad_clip=1e-4", "run_name=clip")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    train(cfg, overrides=args)
+    assert len(seen) >= 3 and all(s is not None and s < 1e-2 for s in seen), seen
+
+
 @pytest.mark.parametrize("arg, expected", [
     ("decay=softplos", ["sigmoid", "softplus"]),
     ("optim=muonn", ["muon_per_head", "adamw"]),

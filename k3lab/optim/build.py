@@ -15,7 +15,7 @@ All three use the same AdamW arithmetic for the tensors `split_params` sends to 
 changes only how the hidden matrices are updated.
 
 Gradient clipping (`optim.grad_clip`) is the LightningModule's: K3LitModule.configure_gradient_clipping
-clips the DDP-averaged gradients before `step`.
+takes the norm of the DDP-averaged gradients before `step` and hands the factor to `Muon.scale_grads`.
 """
 from __future__ import annotations
 

@@ -313,8 +313,8 @@ class Muon(torch.optim.Optimizer):
     by k3lab/optim/build.py);
     AdamW groups read lr, weight_decay, betas, eps. Defaults fill missing keys. Parameters may be plain
     tensors or dim-0 DTensor shards (FSDP2; see the module docstring).
-    Gradient clipping is not done here: K3LitModule.configure_gradient_clipping clips to
-    ``optim.grad_clip`` before each step.
+    Gradient clipping is decided outside (K3LitModule.configure_gradient_clipping, `k3lab.lit.clip_grad_norm`),
+    which hands its factor to `scale_grads` before each step.
     """
 
     def __init__(self, param_groups, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
@@ -323,6 +323,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, ns_method=ns_method, per_head=per_head, betas=tuple(betas), eps=eps)
         super().__init__(param_groups, defaults)
+        self._grad_scale: Tensor | None = None  # `scale_grads`' factor for the Muon groups, until the next step
         for group in self.param_groups:
             if "use_muon" not in group:
                 raise ValueError("every Muon param group needs a 'use_muon' key (True: Muon, False: AdamW)")
@@ -343,19 +344,31 @@ class Muon(torch.optim.Optimizer):
                                      f"{len(group['params'])} parameters in a Muon group")
 
     @torch.no_grad()
+    def scale_grads(self, factor: Tensor) -> None:
+        """Every gradient times factor (a 0-dim fp32 tensor on the gradients' device: gradient clipping's) for
+        the next step, without a pass of its own over the Muon groups' gradients: their momentum kernel reads
+        g once anyway and multiplies it there (`kernels.momentum`), so those gradients stay as they are. The
+        AdamW groups' gradients are multiplied now, in place (torch's foreach multiply)."""
+        self._grad_scale = factor
+        grads = [p.grad for g in self.param_groups if not g["use_muon"] for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    @torch.no_grad()
     def step(self, closure=None):
         loss = None
-        if closure is not None:
+        if closure is not None:  # under Lightning the closure runs the backward and the clipping
             with torch.enable_grad():
                 loss = closure()
+        scale, self._grad_scale = self._grad_scale, None
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_step(group)
+                self._muon_step(group, scale)
             else:
                 self._adamw_step(group)
         return loss
 
-    def _muon_step(self, group: dict) -> None:
+    def _muon_step(self, group: dict, scale: Tensor | None = None) -> None:
         plain, sharded = [], []
         for p, heads in zip(group["params"], group["head_blocks"]):
             if p.grad is None:
@@ -364,17 +377,17 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             (sharded if isinstance(p, DTensor) else plain).append((p, heads if group["per_head"] else 0))
         if sharded:
-            self._sharded_muon_step(group, sharded)
+            self._sharded_muon_step(group, sharded, scale)
         if plain:
-            self._batched_muon_step(group, plain)
+            self._batched_muon_step(group, plain, scale)
 
-    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]]) -> None:
+    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]], scale: Tensor | None = None) -> None:
         """DTensor (parameter, head_blocks) pairs: momentum, direction and decay on the shards; then per
         `shard_chunks` group, the whole directions all-gathered (`DTensor.full_tensor`), orthogonalised by
         `bucket_updates` as on one device, and each rank adds the rows of its own shard (a Replicate ->
         Shard redistribute, which is local slicing)."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        us = [self.sharded_direction(group, p) for p in params]
+        us = [self.sharded_direction(group, p, scale) for p in params]
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for chunk in shard_chunks(us, heads):
@@ -387,15 +400,15 @@ class Muon(torch.optim.Optimizer):
                                                     run_check=False)
                     p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"] * scale)
 
-    def sharded_direction(self, group: dict, p: DTensor) -> DTensor:
-        """`momentum_direction` on a DTensor parameter's local shards: its momentum updated in place and its
-        direction returned as a new DTensor sharded like p."""
+    def sharded_direction(self, group: dict, p: DTensor, scale: Tensor | None = None) -> DTensor:
+        """`momentum_direction` on a DTensor parameter's local shards (the gradient times scale, if given): its
+        momentum updated in place and its direction returned as a new DTensor sharded like p."""
         u = torch.empty_like(p.grad.to_local())
         momentum_direction(p.grad.to_local(), self.state[p]["momentum_buffer"].to_local(), u, group["momentum"],
-                           group["nesterov"])
+                           group["nesterov"], scale=scale)
         return DTensor.from_local(u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]]) -> None:
+    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]], scale: Tensor | None = None) -> None:
         """Plain (parameter, head_blocks) pairs, per bucket of same-shaped matrices (`buckets` of the
         parameters): the momentum updated and the directions written into one batch (`bucket_directions`),
         one Newton-Schulz but its last product (`newton_schulz_factors`), and that product taken into the
@@ -403,22 +416,23 @@ class Muon(torch.optim.Optimizer):
         Newton-Schulz intermediates at a time."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
         for bucket in buckets(params, heads):
-            q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket), group["ns_steps"],
+            q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket, scale), group["ns_steps"],
                                          method=group["ns_method"])
             self.apply_updates(group, params, bucket, q, y)
 
-    def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]]) -> Tensor:
-        """Each of one bucket's parameters' momentum updated, m <- g + beta m, and its direction
-        u = g + beta m (Nesterov) or m computed in the parameter's dtype and written into its slice of one
-        batch [sum n_i, rows, cols] in the Newton-Schulz dtype (`kernels.momentum.momentum_direction`: one
-        read of g and m, one write of m and of the slice)."""
+    def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]],
+                          scale: Tensor | None = None) -> Tensor:
+        """Each of one bucket's parameters' momentum updated, m <- s g + beta m (s = scale, or 1), and its
+        direction u = s g + beta m (Nesterov) or m computed in the parameter's dtype and written into its slice
+        of one batch [sum n_i, rows, cols] in the Newton-Schulz dtype (`kernels.momentum.momentum_direction`:
+        one read of g and m, one write of m and of the slice)."""
         out = torch.empty((sum(m.size(0) for _, m in bucket), *bucket[0][1].shape[1:]),
                           dtype=NS_DTYPES[group["ns_dtype"]], device=bucket[0][1].device)
         start = 0
         for i, mats in bucket:
             p, n = params[i], mats.size(0)
             momentum_direction(p.grad, self.state[p]["momentum_buffer"], out[start:start + n], group["momentum"],
-                               group["nesterov"])
+                               group["nesterov"], scale=scale)
             start += n
         return out
 
