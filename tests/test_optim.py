@@ -722,15 +722,24 @@ def test_toy_model_trains(name):
     assert last < 0.55 * first, (first, last)  # about 0.4 with each option; 1.0 if nothing moved
 
 
+def twin_toys():
+    """Two identical toy models and their optimizers: (a, b, a's optimizer, b's)."""
+    a, b = seeded_toy(), seeded_toy()
+    return (a, b, *(build_optimizer(m, OptimConfig(warmup_steps=2), total_steps=10)[0] for m in (a, b)))
+
+
+def same_gradients(a, b, step: int) -> None:
+    """a's gradients on toy batch `step`, and a copy of them in b."""
+    loss_of(a, toy_batch(seed=step)).backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        pb.grad = pa.grad.clone()
+
+
 def test_same_grads_give_bitwise_same_update():
     """What DDP relies on: ranks holding equal params, state and (averaged) grads stay equal."""
-    a, b = seeded_toy(), seeded_toy()
-    opt_a, _ = build_optimizer(a, OptimConfig(warmup_steps=2), total_steps=10)
-    opt_b, _ = build_optimizer(b, OptimConfig(warmup_steps=2), total_steps=10)
+    a, b, opt_a, opt_b = twin_toys()
     for step in range(4):
-        loss_of(a, toy_batch(seed=step)).backward()
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            pb.grad = pa.grad.clone()
+        same_gradients(a, b, step)
         opt_a.step()
         opt_b.step()
         opt_a.zero_grad()
@@ -745,13 +754,9 @@ def test_scale_grads_moves_the_weights_as_clipping_the_gradients_first():
     gradients in place; the Muon gradients stay as they were, and the factor holds for one step only."""
     from k3lab.lit import clip_grad_norm
 
-    a, b = seeded_toy(), seeded_toy()
-    opt_a, _ = build_optimizer(a, OptimConfig(warmup_steps=2), total_steps=10)
-    opt_b, _ = build_optimizer(b, OptimConfig(warmup_steps=2), total_steps=10)
+    a, b, opt_a, opt_b = twin_toys()
     for step in range(3):
-        loss_of(a, toy_batch(seed=step)).backward()
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            pb.grad = pa.grad.clone()
+        same_gradients(a, b, step)
         muon = [p for g in opt_a.param_groups if g["use_muon"] for p in g["params"]]
         muon_grads = [p.grad.clone() for p in muon]
         if step < 2:  # the third step is not clipped: a factor left over would still scale it
