@@ -2,9 +2,9 @@
 
 CPU: the Triton kernel runs under TRITON_INTERPRET=1 in one fresh subprocess (this file run as a script) on
 a ragged size (three blocks, the last one part full), every pair of parameter and direction dtypes the
-optimizer writes, Nesterov and heavy ball, with and without a gradient scale; the tests assert on the largest differences it reports from the
-torch form, in ulps (of the parameter dtype for m; for u of the coarser of the two dtypes it is rounded
-to). The torch form and the argument checks run in-process.
+optimizer writes, Nesterov and heavy ball, with and without a gradient scale; the tests assert on the
+largest differences it reports from the torch form, in ulps (of the parameter dtype for m; for u of the
+coarser of the two dtypes it is rounded to). The torch form and the argument checks run in-process.
 CUDA (``pytest -m gpu``): the same comparison at an expert stack's size, and one Muon step of bf16 weights
 with the kernel against the torch form.
 """

@@ -337,9 +337,9 @@ def test_the_trainers_clipping_reaches_muons_step(corpus, tmp_path, monkeypatch)
 
     seen, original = [], Muon._muon_step
 
-    def recording(self, group, scale=None):
-        seen.append(None if scale is None else float(scale))
-        return original(self, group, scale)
+    def recording(self, group, grad_scale=None):
+        seen.append(None if grad_scale is None else float(grad_scale))
+        return original(self, group, grad_scale)
 
     monkeypatch.setattr(Muon, "_muon_step", recording)
     args = overrides(corpus, tmp_path, "moe=dense", "train.max_steps=3", "optim.grad_clip=1e-4", "run_name=clip")

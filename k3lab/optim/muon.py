@@ -360,15 +360,15 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:  # under Lightning the closure runs the backward and the clipping
             with torch.enable_grad():
                 loss = closure()
-        scale, self._grad_scale = self._grad_scale, None
+        grad_scale, self._grad_scale = self._grad_scale, None
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_step(group, scale)
+                self._muon_step(group, grad_scale)
             else:
                 self._adamw_step(group)
         return loss
 
-    def _muon_step(self, group: dict, scale: Tensor | None = None) -> None:
+    def _muon_step(self, group: dict, grad_scale: Tensor | None = None) -> None:
         plain, sharded = [], []
         for p, heads in zip(group["params"], group["head_blocks"]):
             if p.grad is None:
@@ -377,17 +377,18 @@ class Muon(torch.optim.Optimizer):
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             (sharded if isinstance(p, DTensor) else plain).append((p, heads if group["per_head"] else 0))
         if sharded:
-            self._sharded_muon_step(group, sharded, scale)
+            self._sharded_muon_step(group, sharded, grad_scale)
         if plain:
-            self._batched_muon_step(group, plain, scale)
+            self._batched_muon_step(group, plain, grad_scale)
 
-    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]], scale: Tensor | None = None) -> None:
+    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]],
+                           grad_scale: Tensor | None = None) -> None:
         """DTensor (parameter, head_blocks) pairs: momentum, direction and decay on the shards; then per
         `shard_chunks` group, the whole directions all-gathered (`DTensor.full_tensor`), orthogonalised by
         `bucket_updates` as on one device, and each rank adds the rows of its own shard (a Replicate ->
         Shard redistribute, which is local slicing)."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
-        us = [self.sharded_direction(group, p, scale) for p in params]
+        us = [self.sharded_direction(group, p, grad_scale) for p in params]
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         ns_dtype = NS_DTYPES[group["ns_dtype"]]
         for chunk in shard_chunks(us, heads):
@@ -400,15 +401,16 @@ class Muon(torch.optim.Optimizer):
                                                     run_check=False)
                     p.add_(replicated.redistribute(p.device_mesh, p.placements), alpha=-group["lr"] * scale)
 
-    def sharded_direction(self, group: dict, p: DTensor, scale: Tensor | None = None) -> DTensor:
-        """`momentum_direction` on a DTensor parameter's local shards (the gradient times scale, if given): its
+    def sharded_direction(self, group: dict, p: DTensor, grad_scale: Tensor | None = None) -> DTensor:
+        """`momentum_direction` on a DTensor parameter's local shards (the gradient times grad_scale, if given): its
         momentum updated in place and its direction returned as a new DTensor sharded like p."""
         u = torch.empty_like(p.grad.to_local())
         momentum_direction(p.grad.to_local(), self.state[p]["momentum_buffer"].to_local(), u, group["momentum"],
-                           group["nesterov"], scale=scale)
+                           group["nesterov"], scale=grad_scale)
         return DTensor.from_local(u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]], scale: Tensor | None = None) -> None:
+    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]],
+                           grad_scale: Tensor | None = None) -> None:
         """Plain (parameter, head_blocks) pairs, per bucket of same-shaped matrices (`buckets` of the
         parameters): the momentum updated and the directions written into one batch (`bucket_directions`),
         one Newton-Schulz but its last product (`newton_schulz_factors`), and that product taken into the
@@ -416,13 +418,14 @@ class Muon(torch.optim.Optimizer):
         Newton-Schulz intermediates at a time."""
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
         for bucket in buckets(params, heads):
-            q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket, scale), group["ns_steps"],
+            q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket, grad_scale),
+                                         group["ns_steps"],
                                          method=group["ns_method"])
             self.apply_updates(group, params, bucket, q, y)
 
     def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]],
-                          scale: Tensor | None = None) -> Tensor:
-        """Each of one bucket's parameters' momentum updated, m <- s g + beta m (s = scale, or 1), and its
+                          grad_scale: Tensor | None = None) -> Tensor:
+        """Each of one bucket's parameters' momentum updated, m <- s g + beta m (s = grad_scale, or 1), and its
         direction u = s g + beta m (Nesterov) or m computed in the parameter's dtype and written into its slice
         of one batch [sum n_i, rows, cols] in the Newton-Schulz dtype (`kernels.momentum.momentum_direction`:
         one read of g and m, one write of m and of the slice)."""
@@ -432,7 +435,7 @@ class Muon(torch.optim.Optimizer):
         for i, mats in bucket:
             p, n = params[i], mats.size(0)
             momentum_direction(p.grad, self.state[p]["momentum_buffer"], out[start:start + n], group["momentum"],
-                               group["nesterov"], scale=scale)
+                               group["nesterov"], scale=grad_scale)
             start += n
         return out
 
