@@ -20,6 +20,11 @@ clock elsewhere), on the same parameters, gradients and state:
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
   rest        step minus the parts above (what the step does beyond them, or the spread of the timings)
 
+On a GPU each part's cell also gives, in parentheses, its device time per call: the time of the kernels and
+copies it launched over --steps more calls under torch.profiler. A part timed alone can be bound by its
+launches (the host), which its wall time shows and its device time does not; inside a training step the
+device is still busy with the backward while the host launches the optimizer's kernels.
+
 ns TFLOP/s: ns_flops (per matrix of r <= c rows and columns, each iteration 4 r^2 c + 2 r^3) over the time
 of ns and update, and its share of the device's dense bf16 peak (k3lab.lit.PEAK_FLOPS). The count is the
 standard iteration's, so under optim.ns_method=gram, which does fewer FLOPs, it is the rate the standard
@@ -81,8 +86,19 @@ def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
     return parts, shapes, moved
 
 
+def device_ms(fn, calls: int) -> float:
+    """Milliseconds of device time per call of fn() (every kernel and copy it launches), over `calls` calls
+    under torch.profiler (CUDA only)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(avg.self_device_time_total for avg in prof.key_averages()) / 1e3 / calls
+
+
 def measure(cfg, warmup: int, steps: int) -> dict:
-    """The parts' milliseconds and the roofline numbers of one variant."""
+    """The parts' milliseconds (wall, and on a GPU device time) and the roofline numbers of one variant."""
     device = device_of(cfg)
     dtype, _ = precision_of(cfg, device)
     torch.manual_seed(cfg.seed)
@@ -93,15 +109,19 @@ def measure(cfg, warmup: int, steps: int) -> dict:
     parts, shapes, moved = muon_parts(opt)
     with torch.no_grad():  # as in Muon.step
         ms = {name: 1e3 * timed(fn, warmup, steps, device) for name, fn in parts.items()}
-    ms["rest"] = ms["step"] - sum(ms[n] for n in PARTS[1:5])
-    return dict(ms=ms, ns_flops=ns_flops(shapes), moved=moved, matrices=sum(s[0] for s in shapes),
-                buckets=len(shapes))
+        device_time = ({name: device_ms(fn, steps) for name, fn in parts.items()} if device.type == "cuda"
+                       else None)
+    for times in filter(None, (ms, device_time)):
+        times["rest"] = times["step"] - sum(times[n] for n in PARTS[1:5])
+    return dict(ms=ms, device_ms=device_time, ns_flops=ns_flops(shapes), moved=moved,
+                matrices=sum(s[0] for s in shapes), buckets=len(shapes))
 
 
 def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops() if device.type == "cuda" else None
-    lines = [f"optimizer step on {name}, torch {torch.__version__}; ms per call of each part", "",
+    unit = "ms per call of each part" + (" (device time in parentheses)" if device.type == "cuda" else "")
+    lines = [f"optimizer step on {name}, torch {torch.__version__}; {unit}", "",
              "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | elementwise GB/s | matrices in buckets |",
              "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]
     for variant, r in rows:
@@ -110,7 +130,9 @@ def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
         tflops = r["ns_flops"] / (ns * 1e-3) / 1e12 if ns > 0 else float("nan")
         share = f" ({tflops * 1e12 / peak:.0%})" if peak else ""
         gbs = r["moved"] / (ms["directions"] * 1e-3) / 1e9 if ms["directions"] > 0 else float("nan")
-        lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(f"{ms[p]:.2f}" for p in PARTS)
+        dev = r["device_ms"]
+        cells = [f"{ms[p]:.2f}" + (f" ({dev[p]:.2f})" if dev else "") for p in PARTS]
+        lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(cells)
                      + f" | {tflops:.1f}{share} | {gbs:.0f} | {r['matrices']} in {r['buckets']} |")
     return "\n".join(lines) + "\n"
 

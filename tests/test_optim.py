@@ -809,3 +809,16 @@ def test_muon_bench_counts_the_newton_schulz_work_and_splits_heads_only_per_head
             if line.startswith("| optim=")}
     matrices = {v: int(r[-1].split(" in ")[0]) for v, r in rows.items()}
     assert matrices["optim=muon_per_head"] > matrices["optim=muon"] > 0 == matrices["optim=adamw"], text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_muon_bench_gives_each_parts_device_time():
+    """On a GPU every part's cell carries its device time in parentheses, the step's above zero."""
+    from benchmarks.muon_bench import main
+
+    text = main(["trainer=gpu", "--warmup", "1", "--steps", "2"])
+    row = next(line for line in text.splitlines() if line.startswith("| (overrides only)"))
+    cells = row.split(" | ")[1:7]
+    assert all(c.endswith(")") for c in cells), row
+    assert float(cells[0].split("(")[1].rstrip(")")) > 0, row
