@@ -3,6 +3,7 @@
     python -m benchmarks.step trainer=gpu model=small data.seq_len=4096 data.batch_size=8
     python -m benchmarks.step trainer=gpu model=small --fla
     python -m benchmarks.step trainer=gpu model=small --variants "train.compile=false,train.compile=true"
+    python -m benchmarks.step trainer=gpu model=small --base HEAD~1      # the last commit against its parent
 
 The positional arguments are run.py's Hydra overrides (the shape and everything else). `--variants` runs
 several override sets in this one process, each on top of the positional ones, one table row per variant
@@ -44,6 +45,9 @@ unknown, e.g. the CPU), peak memory in GiB (on the CPU the process's peak reside
 grows from row to row) and, of it, what the parameters, gradients and optimizer states hold (bare and fla
 rows; the rest of the peak is activations and workspace). Only the trainer path writes files, into a temporary directory it removes; the
 table goes to --out PATH when given. Runs on the CPU too (tiny shapes, no --fla).
+
+--base REV first runs the same rows from git revision REV's code in a subprocess (`base_table`) and puts its
+table above this one: a change and what it changed timed in one call, on one machine.
 """
 from __future__ import annotations
 
@@ -51,10 +55,13 @@ import argparse
 import contextlib
 import gc
 import heapq
+import io
 import math
 import os
 import shlex
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -584,6 +591,46 @@ def table(rows: list[Row], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BASE_PATHS = ("benchmarks", "k3lab", "kernels", "conf", "run.py", "pyproject.toml")  # the code a row runs
+
+
+def base_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of these rows for `base_table`: every option but --base and --out."""
+    flags = [f"--{name}" for name in ("saved", "fla") if getattr(args, name)]
+    return [*args.overrides, "--warmup", str(args.warmup), "--steps", str(args.steps), "--variants", args.variants,
+            "--paths", args.paths, "--profile", str(args.profile), *flags]
+
+
+def base_table(rev: str, argv: list[str]) -> str:
+    """Run `python -m benchmarks.step argv` from git revision rev's code (BASE_PATHS of `git archive rev`, in
+    a temporary directory that the subprocess starts in, so its packages come before any installed copy),
+    its output streamed; returns its table under a line naming rev and its commit, for the rows of the
+    working tree that follow in the same call (rows of separate calls differ by about a percent on the
+    H200: benchmarks/RESULTS.md)."""
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True)
+    if commit.returncode:
+        raise SystemExit(f"--base {rev!r}: not a commit of {root} ({commit.stderr.strip()})")
+    sha = commit.stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="k3lab-base-") as tree:
+        archive = subprocess.run([*git, "archive", sha, *BASE_PATHS], capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        print(f"Base {rev} ({sha[:7]}), from {tree}:", flush=True)
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.step", *argv], cwd=tree, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lines = []
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+        if proc.wait():
+            raise SystemExit(f"--base {rev}: its rows failed (exit {proc.returncode}); its output is above")
+    table_lines = [line for line in lines if line.startswith("|")]
+    return f"Base {rev} ({sha[:7]}):\n\n" + "".join(table_lines) + "\n"
+
+
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.split("\n")[0])
     p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (compilation happens here)")
@@ -597,6 +644,8 @@ def main(argv=None) -> str:
                    help="after each bare row, list what one forward keeps for the backward, by shape and dtype")
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
+    p.add_argument("--base", default=None, metavar="REV",
+                   help="first run the same rows from git revision REV's code (`base_table`): an A/B in one call")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.profile < 0:
@@ -604,6 +653,7 @@ def main(argv=None) -> str:
     paths = args.paths.split(",")
     if not paths or set(paths) - {"bare", "trainer"}:
         p.error(f"--paths {args.paths!r}: valid paths are bare, trainer")
+    base = base_table(args.base, base_argv(args)) if args.base else ""
     quiet_lightning()
     if args.fla:  # before fla's modules build their autotuners, which read it then
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
@@ -640,7 +690,7 @@ def main(argv=None) -> str:
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
-    text = table(rows, header)
+    text = base + table(rows, header)
     print(text, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

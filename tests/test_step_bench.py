@@ -2,6 +2,7 @@
 and python -m benchmarks.kda_train_check's comparison of variants' loss curves."""
 import contextlib
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,26 @@ def test_profile_covers_both_paths_after_their_timed_steps(corpus, tmp_path, mon
         assert "Self CPU" in table.splitlines()[1] and "aten::mm" in table, said
         assert "Matrix products by input shapes" in table, said
     assert text.count("| (overrides only) |") == 2
+
+
+def test_base_runs_the_same_rows_from_a_revision_first(corpus, tmp_path, monkeypatch, capsys):
+    """--base HEAD: the same bare row from HEAD's code (`git archive`) in a subprocess, its table first under a
+    line naming the revision and its commit, then this tree's; a name that is no commit stops with a message."""
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.chdir(tmp_path)
+    shape = ["data=text", f"data.path={corpus}", "model.n_layers=1", "model.d_model=32", "model.head_dim=16",
+             "data.seq_len=16", "data.batch_size=2", "data.vocab_size=260", "moe=dense", "residual=standard",
+             "optim=adamw", "mixer=mla", "--paths", "bare", "--warmup", "1", "--steps", "1"]
+    text = main([*shape, "--base", "HEAD"])
+    base, ours = text.split("Training step, ")
+    assert base.startswith(f"Base HEAD ({head.stdout.strip()}):") and "| (overrides only) | bare |" in base, text
+    assert ours.count("| (overrides only) | bare |") == 1 and base.count("| (overrides only) | bare |") == 1, text
+    assert re.search(r"Base HEAD \(\w{7}\), from \S+k3lab-base-\S+:", capsys.readouterr().out)
+    with pytest.raises(SystemExit, match="--base 'no-such-rev': not a commit of"):
+        main([*shape, "--base", "no-such-rev"])
 
 
 def test_idle_gaps_charge_each_gap_to_the_launching_threads_ops():
