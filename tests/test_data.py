@@ -295,6 +295,7 @@ def test_mqar_datamodule(tmp_path):
     assert dm.vocab_size == 256 and dm.unigram_entropy() == pytest.approx(math.log(128))
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == y.shape == (8, 128) and x.dtype == torch.int64 and ((y != -100).sum(1) == 16).all()
+    assert x.is_pinned() == y.is_pinned() == torch.cuda.is_available()  # pinned wherever a GPU may train on it
     # train and validation come from different seeds
     assert not any(np.array_equal(v, t) for v in dm.val_x[:20].numpy() for t in dm.train_x[:200])
     vb = list(dm.val_dataloader())

@@ -354,12 +354,16 @@ class K3DataModule(L.LightningDataModule):
         self._ready = True
 
     def train_dataloader(self) -> DataLoader:
+        """The training batches in step order, in pinned host memory where CUDA is available: Lightning copies
+        each batch to the GPU with non_blocking=True, which from pageable memory is not an asynchronous DMA
+        (the driver stages the batch and may wait for the stream, the previous step's kernels included)."""
         return DataLoader(TrainBatches(self.train_batch, self.start_step()), batch_size=None,
-                          num_workers=self.cfg.num_workers, persistent_workers=False)
+                          num_workers=self.cfg.num_workers, persistent_workers=False,
+                          pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(FixedBatches(self.val_x, self.val_y, self.cfg.batch_size), batch_size=None,
-                          shuffle=False, num_workers=self.cfg.num_workers)
+                          shuffle=False, num_workers=self.cfg.num_workers, pin_memory=torch.cuda.is_available())
 
     @property
     def train_tokens(self) -> int:
