@@ -43,8 +43,7 @@ def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
     fn, tensors = SIGNATURES[kernel]
     names = tensors + TILE_ARGS + ["H", "W", "b1", "b2"]
     signature = dict(zip(names, [f"*{dtype}"] * len(tensors) + ["*i32"] * 3 + ["i32", "i32", "fp32", "fp32"]))
-    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"],
-                      NB=launch.get("NB", 1))
+    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"])
     if kernel == "bwd":
         constexprs["DH_IN"] = launch["dh"] == "grouped_mm"
     signature.update({name: "constexpr" for name in constexprs})
@@ -83,13 +82,12 @@ def register_usage(cubin: bytes) -> tuple[int, int]:
 
 def launches(space: str) -> list[tuple[str, dict]]:
     """(kernel, launch) pairs: the launch table's (its backward with either dh source), or those of
-    benchmarks.moe_bench.TUNE_SPACE and KEEP_X_SPACE."""
+    benchmarks.moe_bench.TUNE_SPACE."""
     if space == "table":
         return [("fwd", gg.LAUNCH["fwd"])] + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh)) for dh in gg.DH_SOURCES]
-    from benchmarks.moe_bench import K3_WIDTH, KEEP_X_SPACE, TUNE_SPACE, tune_launches
+    from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
 
-    return [(kernel, launch) for kernel in ("fwd", "bwd")
-            for launch in tune_launches(kernel, TUNE_SPACE, K3_WIDTH, KEEP_X_SPACE)]
+    return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE, K3_WIDTH)]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

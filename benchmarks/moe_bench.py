@@ -25,8 +25,7 @@ checkpointed form's. On the CPU (--small) the forms run eager, fused only under 
 
 --tune: the fused kernels alone at the same shape (kernels.grouped_glu: glu_fwd, glu_bwd), every launch
 configuration of TUNE_SPACE (tiles BM x BN, K step BK, warps, stages; for the backward also where dh comes
-from) and of KEEP_X_SPACE (x's row block kept for NB blocks of hidden units), each checked against the
-launch table's result and timed; prints the fastest rows per kernel and
+from), each checked against the launch table's result and timed; prints the fastest rows per kernel and
 the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --small).
 
 --routing: the two selections a MoE layer makes per step besides its top-k, at the K3 default's routing
@@ -118,12 +117,6 @@ TUNE_SPACE = dict(BM=(64, 128), BN=(64, 128), BK=(32, 64, 128), num_warps=(4, 8)
                   dh=("grouped_mm",))
 K3_WIDTH, SMALL_WIDTH = 256, 16  # the experts' width W (the kernels' K extent) of --experts and --tune
 SMALL_TUNE_SPACE = dict(BM=(16,), BN=(16, 32), BK=(16,), num_warps=(1,), num_stages=(1,), dh=("kernel", "grouped_mm"))
-# Configurations that keep x's row block (and, in the backward, dy's) for NB blocks of hidden units
-# (`kernels.grouped_glu._glu_fwd`, BK the width rounded up to a power of two): at the K3 width the forward's
-# 2 stages of BN 64 take 208 KiB of shared memory, 3 stages more than an SM has. NB 22 covers H = 1,408 at
-# BN 64, 11 half of it.
-KEEP_X_SPACE = dict(BM=(128,), BN=(32, 64), num_warps=(4, 8), num_stages=(2,), NB=(2, 11, 22))
-SMALL_KEEP_X_SPACE = dict(BM=(16,), BN=(16,), num_warps=(1,), num_stages=(1,), NB=(2, 3))
 
 
 def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor,
@@ -143,20 +136,14 @@ def timed_ms(fn, device: str, iters: int, warmup: int) -> float:
     return timed(fn, warmup, iters, torch.device(device)) * 1e3
 
 
-def tune_launches(kernel: str, space: dict, width: int, keep_x: dict | None = None) -> list[dict]:
+def tune_launches(kernel: str, space: dict, width: int) -> list[dict]:
     """The launch configurations of `kernel` ("fwd" or "bwd") in a TUNE_SPACE-like grid for experts of `width`:
     every combination (`dh` for the backward only), less tiles over 128 x 128 and stages beyond the K loop's
-    steps (num_stages x BK > max(width, BK)); then every combination of `keep_x` (a KEEP_X_SPACE-like grid;
-    `dh` from `space` for the backward) with BK the width rounded up to a power of two."""
+    steps (num_stages x BK > max(width, BK))."""
     keys = [k for k in space if kernel == "bwd" or k != "dh"]
     launches = [dict(zip(keys, values)) for values in itertools.product(*(space[k] for k in keys))]
-    launches = [launch for launch in launches if launch["BM"] * launch["BN"] <= 128 * 128
-                and launch["num_stages"] * launch["BK"] <= max(width, launch["BK"])]
-    if keep_x:
-        whole = 1 << (width - 1).bit_length()
-        kept = [dict(zip(keep_x, values), BK=whole) for values in itertools.product(*keep_x.values())]
-        launches += [dict(c, dh=dh) for c in kept for dh in space["dh"]] if kernel == "bwd" else kept
-    return launches
+    return [launch for launch in launches if launch["BM"] * launch["BN"] <= 128 * 128
+            and launch["num_stages"] * launch["BK"] <= max(width, launch["BK"])]
 
 
 def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6) -> list[dict]:
@@ -167,11 +154,11 @@ def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: 
     w1, w2, w3 = (w.detach() for w in (experts.w1, experts.w2, experts.w3))
     calls = {"fwd": lambda cfg: [gg.glu_fwd(xs, counts, w1, w2, w3, 4.0, 25.0, True, cfg)],
              "bwd": lambda cfg: list(gg.glu_bwd(xs, dy, counts, w1, w2, w3, 4.0, 25.0, True, cfg))}
-    space, keep_x = (SMALL_TUNE_SPACE, SMALL_KEEP_X_SPACE) if small else (TUNE_SPACE, KEEP_X_SPACE)
+    space = SMALL_TUNE_SPACE if small else TUNE_SPACE
     rows = []
     for kernel, call in calls.items():
         want = call(gg.LAUNCH[kernel])
-        for cfg in tune_launches(kernel, space, xs.shape[1], keep_x):
+        for cfg in tune_launches(kernel, space, xs.shape[1]):
             try:
                 got = call(cfg)
             except Exception as err:  # noqa: BLE001 - a configuration the compiler refuses (resources) is skipped

@@ -12,16 +12,12 @@ the autograd graph keeps the inputs alone and the backward recomputes gate and u
 
 - forward ``_glu_fwd``: per [BM, BN] tile of the hidden layer, gate g and up u in two fp32 accumulators
   from one pass over x's row block, then h = f(g) c(u) written once in x's dtype (g and u never reach
-  memory); torch._grouped_mm runs h through W3. With NB > 1 a program loads x's whole row block once
-  (BK >= W) and computes NB consecutive tiles of hidden units from it: with one tile a program, every
-  program reads its x block and two weight tiles from L2, at the K3 shapes 5.9 GB a call for 0.38 TFLOP
-  (about 64 FLOP a byte); a program that keeps x for all 22 tiles of H = 1,408 reads 3.1 GB.
+  memory); torch._grouped_mm runs h through W3.
 - backward ``_glu_bwd``: per tile, dh = dy W3[e] and g, u again, all three in one pass over the row blocks
   of dy and x (or dh from one torch._grouped_mm before it: the launch table's `dh`); the epilogue writes
   h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in one [M, 2H] tensor, so that
   dx = [dg du] [W1; W2] is one grouped GEMM (torch._grouped_mm), dW1 = dg^T x and dW2 = du^T x one each
-  from its column blocks (no copies), and dW3 = dy^T h another. NB > 1 keeps the row blocks of x (and dy)
-  as in the forward.
+  from its column blocks (no copies), and dW3 = dy^T h another.
 
 Checkpointed and unfused, the forward writes gate and up, reads them for the GLU and writes h, twice (once
 more in the backward), and the backward's GLU gradient reads gate, up and dh and writes dg and du: at the
@@ -54,12 +50,11 @@ jit = triton.jit if triton is not None else (lambda fn: fn)
 # H200 at the K3 default's shapes: 1.53 ms forward; 3.80 ms backward with dh from torch._grouped_mm, where
 # the best with dh in the kernel takes 4.15 ms (a third operand tile per K step: 120 against 72 KiB of shared
 # memory a program at this tile, `python -m benchmarks.kernel_resources`). The [M, H] dh costs the K3 default
-# 0.68 GiB of peak memory for 0.6 ms a step. NB: blocks of BN hidden units per program, x's row block (and
-# dy's) kept for all of them (see `_glu_fwd`; above 1 it needs BK >= W): in the 136-configuration sweep the
-# best keep-x backward (NB 22) tied the best streaming one (4.006 against 3.996 ms) and no keep-x forward
-# came near, so NB stays 1.
-LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, NB=1),
-          "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm", NB=1)}
+# 0.68 GiB of peak memory for 0.6 ms a step. Programs that kept x's row block (and dy's) for up to 22 tiles
+# of hidden units, which halves the L2 traffic, were timed and not kept: the best of them tied the best
+# backward (4.006 against 3.996 ms), and no forward of them came near (benchmarks/RESULTS.md).
+LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
+          "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm")}
 DH_SOURCES = ("kernel", "grouped_mm")  # LAUNCH["bwd"]["dh"]: see `glu_bwd`
 
 __all__ = ["DH_SOURCES", "LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
@@ -127,13 +122,13 @@ def _glu_parts(g, u, b1, b2, SITU: tl.constexpr, GPU: tl.constexpr):
 
 
 @jit
-def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
-    """This program's expert, rows [BM] with their mask, its first block of hidden units [BN] (of NB
-    consecutive ones) with theirs, and whether it has no rows (a tile past the last)."""
+def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's expert, rows [BM] with their mask, hidden units [BN] with theirs, and whether it has
+    no rows (a tile past the last)."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(tile_start + pid_m), tl.load(tile_end + pid_m)
     rows = start + tl.arange(0, BM)
-    cols = pid_n * (NB * BN) + tl.arange(0, BN)
+    cols = pid_n * BN + tl.arange(0, BN)
     return tl.load(tile_expert + pid_m).to(tl.int64), rows, rows < end, cols, cols < H, start >= end
 
 
@@ -141,47 +136,25 @@ def _tile(tile_expert, tile_start, tile_end, H, BM: tl.constexpr, BN: tl.constex
 def _gate_up_step(x_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU: tl.constexpr):
     """g, u += x's [BM, BK] block at k times the [BK, BN] tiles of w1[e]^T and w2[e]^T there."""
     a = tl.load(x_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    return _gate_up(a, w1, w2, w_at + k, kmask[:, None] & cmask[None, :], g, u, GPU)
-
-
-@jit
-def _gate_up(a, w1, w2, w_at, wmask, g, u, GPU: tl.constexpr):
-    """g, u += a [BM, BK] times the [BK, BN] tiles of w1[e]^T and w2[e]^T at offsets w_at (mask wmask)."""
-    g = _dot(a, tl.load(w1 + w_at, mask=wmask, other=0.0), g, GPU)
-    u = _dot(a, tl.load(w2 + w_at, mask=wmask, other=0.0), u, GPU)
+    wmask = kmask[:, None] & cmask[None, :]
+    g = _dot(a, tl.load(w1 + w_at + k, mask=wmask, other=0.0), g, GPU)
+    u = _dot(a, tl.load(w2 + w_at + k, mask=wmask, other=0.0), u, GPU)
     return g, u
 
 
 @jit
 def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2,
-             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             NB: tl.constexpr):
-    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN, NB)
+             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
     if idle:
         return
     ks = tl.arange(0, BK)
     x_at = x + rows.to(tl.int64)[:, None] * W + ks[None, :]                # [BM, BK]
-    if NB == 1:  # one block of hidden units: x's row block streamed in K steps
-        w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]    # [BK, BN] of w1[e]^T, w2[e]^T
-        g = tl.zeros((BM, BN), tl.float32)
-        u = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, W, BK):
-            g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
-        _glu_store(g, u, h, rows, rmask, cols, cmask, H, b1, b2, SITU, GPU)
-    else:  # BK >= W: x's whole row block loaded once and kept for NB blocks of hidden units
-        kmask = ks < W
-        a = tl.load(x_at, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        for nb in range(NB):
-            c = cols + nb * BN
-            w_at = e * H * W + c.to(tl.int64)[None, :] * W + ks[:, None]
-            g, u = _gate_up(a, w1, w2, w_at, kmask[:, None] & (c < H)[None, :], tl.zeros((BM, BN), tl.float32),
-                            tl.zeros((BM, BN), tl.float32), GPU)
-            _glu_store(g, u, h, rows, rmask, c, c < H, H, b1, b2, SITU, GPU)
-
-
-@jit
-def _glu_store(g, u, h, rows, rmask, cols, cmask, H, b1, b2, SITU: tl.constexpr, GPU: tl.constexpr):
-    """h = f(g) c(u) for one [BM, BN] tile of fp32 gate and up, written at (rows, cols) in h's dtype."""
+    w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]        # [BK, BN] of w1[e]^T, w2[e]^T
+    g = tl.zeros((BM, BN), tl.float32)
+    u = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, W, BK):
+        g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
     fg, _, cu, _ = _glu_parts(g, u, b1, b2, SITU, GPU)
     tl.store(h + rows.to(tl.int64)[:, None] * H + cols[None, :], (fg * cu).to(h.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -190,50 +163,25 @@ def _glu_store(g, u, h, rows, rmask, cols, cmask, H, b1, b2, SITU: tl.constexpr,
 @jit
 def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end, H, W, b1, b2,
              SITU: tl.constexpr, DH_IN: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, NB: tl.constexpr):
-    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN, NB)
+             BK: tl.constexpr):
+    e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
     if idle:
         return
     ks = tl.arange(0, BK)
     row_at = rows.to(tl.int64)[:, None] * W + ks[None, :]                 # [BM, BK] of x and dy
-    if NB == 1:  # one block of hidden units: the row blocks of x (and dy) streamed in K steps
-        w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]   # [BK, BN] of w1[e]^T, w2[e]^T
-        w3_at = e * W * H + ks.to(tl.int64)[:, None] * H + cols[None, :]  # [BK, BN] of w3[e]
-        dh = tl.zeros((BM, BN), tl.float32)
-        g = tl.zeros((BM, BN), tl.float32)
-        u = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, W, BK):
-            kmask = (k + ks) < W
-            if not DH_IN:
-                dh = _dot(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0),
-                          tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), dh, GPU)
-            g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
-        _glu_bwd_store(g, u, dh, dh_in, h, dgu, rows, rmask, cols, cmask, H, b1, b2, SITU, DH_IN, GPU)
-    else:  # BK >= W: the row blocks of x (and dy) loaded once and kept for NB blocks of hidden units
-        kmask = ks < W
-        a = tl.load(x + row_at, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if not DH_IN:
-            dy_rows = tl.load(dy + row_at, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        for nb in range(NB):
-            c = cols + nb * BN
-            wmask = kmask[:, None] & (c < H)[None, :]
-            g, u = _gate_up(a, w1, w2, e * H * W + c.to(tl.int64)[None, :] * W + ks[:, None], wmask,
-                            tl.zeros((BM, BN), tl.float32), tl.zeros((BM, BN), tl.float32), GPU)
-            dh = tl.zeros((BM, BN), tl.float32)
-            if not DH_IN:
-                dh = _dot(dy_rows, tl.load(w3 + e * W * H + ks.to(tl.int64)[:, None] * H + c[None, :], mask=wmask,
-                                           other=0.0), dh, GPU)
-            _glu_bwd_store(g, u, dh, dh_in, h, dgu, rows, rmask, c, c < H, H, b1, b2, SITU, DH_IN, GPU)
-
-
-@jit
-def _glu_bwd_store(g, u, dh, dh_in, h, dgu, rows, rmask, cols, cmask, H, b1, b2, SITU: tl.constexpr,
-                   DH_IN: tl.constexpr, GPU: tl.constexpr):
-    """The backward's epilogue for one [BM, BN] tile of fp32 gate and up: dh read from dh_in when DH_IN (else
-    the fp32 tile given), then h = f(g) c(u), dg = dh c(u) f'(g) and du = dh f(g) c'(u) written at (rows,
-    cols) of h [M, H] and of dgu's two halves [M, 2H]."""
+    w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]       # [BK, BN] of w1[e]^T, w2[e]^T
+    w3_at = e * W * H + ks.to(tl.int64)[:, None] * H + cols[None, :]      # [BK, BN] of w3[e]
+    dh = tl.zeros((BM, BN), tl.float32)
+    g = tl.zeros((BM, BN), tl.float32)
+    u = tl.zeros((BM, BN), tl.float32)
     out = rows.to(tl.int64)[:, None] * H + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
+    for k in range(0, W, BK):
+        kmask = (k + ks) < W
+        if not DH_IN:
+            dh = _dot(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0),
+                      tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), dh, GPU)
+        g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
     if DH_IN:
         dh = tl.load(dh_in + out, mask=omask, other=0.0).to(tl.float32)
     fg, dfg, cu, dcu = _glu_parts(g, u, b1, b2, SITU, GPU)
@@ -241,15 +189,6 @@ def _glu_bwd_store(g, u, dh, dh_in, h, dgu, rows, rmask, cols, cmask, H, b1, b2,
     both = rows.to(tl.int64)[:, None] * (2 * H) + cols[None, :]
     tl.store(dgu + both, (dh * cu * dfg).to(dgu.dtype.element_ty), mask=omask)
     tl.store(dgu + both + H, (dh * fg * dcu).to(dgu.dtype.element_ty), mask=omask)
-
-
-def _blocks_per_program(cfg: dict, W: int) -> int:
-    """A launch's NB (1 when absent), checked: above 1 the kernels keep whole row blocks, so BK >= W."""
-    nb = cfg.get("NB", 1)
-    if nb > 1 and cfg["BK"] < W:
-        raise ValueError(f"launch NB={nb} keeps x's whole row block, so BK must be >= the width W={W}; got "
-                         f"BK={cfg['BK']}")
-    return nb
 
 
 def _offsets(counts: Tensor) -> Tensor:
@@ -260,17 +199,15 @@ def _offsets(counts: Tensor) -> Tensor:
 def glu_fwd(xs: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: float, b2: float, situ: bool,
             block: dict | None = None) -> Tensor:
     """xs [M, W] sorted by expert, counts [n], w1 and w2 [n, H, W], w3 [n, W, H] (all in xs's dtype) ->
-    y [M, W]. block: BM, BN, BK, num_warps, num_stages and NB (blocks of hidden units per program, 1 when
-    absent; above 1 it needs BK >= W) in place of ``LAUNCH["fwd"]``."""
+    y [M, W]. block: BM, BN, BK, num_warps and num_stages in place of ``LAUNCH["fwd"]``."""
     cfg = LAUNCH["fwd"] if block is None else block
     xs, w1, w2 = xs.contiguous(), w1.contiguous(), w2.contiguous()
     (M, W), H = xs.shape, w1.shape[1]
-    nb = _blocks_per_program(cfg, W)
     h = xs.new_empty(M, H)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
-    _glu_fwd[(triton.cdiv(H, cfg["BN"] * nb), expert.numel())](
+    _glu_fwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
         xs, w1, w2, h, expert, start, end, H, W, b1, b2, SITU=situ, GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"],
-        BK=cfg["BK"], NB=nb, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return torch._grouped_mm(h, w3.transpose(-2, -1), offs=_offsets(counts))
 
 
@@ -279,20 +216,19 @@ def glu_bwd(xs: Tensor, dy: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: 
     """The gradients (dxs [M, W], dw1, dw2 [n, H, W], dw3 [n, W, H]) of `glu_fwd`'s y for its cotangent dy
     [M, W]. block: as ``LAUNCH["bwd"]``, whose `dh` says where dh = dy W3[e] comes from: "kernel" (inside
     ``_glu_bwd``, three products per tile) or "grouped_mm" (torch._grouped_mm first, [M, H] in xs's dtype,
-    which ``_glu_bwd`` reads in its epilogue beside its two products), and NB as in `glu_fwd`."""
+    which ``_glu_bwd`` reads in its epilogue beside its two products)."""
     cfg = LAUNCH["bwd"] if block is None else block
     xs, dy, w1, w2, w3 = (t.contiguous() for t in (xs, dy, w1, w2, w3))
     (M, W), H = xs.shape, w1.shape[1]
     if cfg["dh"] not in DH_SOURCES:
         raise ValueError(f"launch dh={cfg['dh']!r}; valid: {', '.join(DH_SOURCES)}")
-    nb = _blocks_per_program(cfg, W)
     h, dgu = xs.new_empty(M, H), xs.new_empty(M, 2 * H)
     offs = _offsets(counts)
     dh = torch._grouped_mm(dy, w3, offs=offs) if cfg["dh"] == "grouped_mm" else xs.new_empty(0)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
-    _glu_bwd[(triton.cdiv(H, cfg["BN"] * nb), expert.numel())](
+    _glu_bwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
         xs, dy, w1, w2, w3, dh, h, dgu, expert, start, end, H, W, b1, b2, SITU=situ, DH_IN=dh.numel() > 0,
-        GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], NB=nb, num_warps=cfg["num_warps"],
+        GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     dxs = torch._grouped_mm(dgu, torch.cat([w1, w2], 1), offs=offs)     # [dg du] [W1; W2]
     # dW1 and dW2 from column blocks of dgu (strided views, no copy), each written contiguous: one

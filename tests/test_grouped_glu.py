@@ -3,11 +3,10 @@
 CPU: the Triton kernels run under TRITON_INTERPRET=1 in one fresh subprocess (this file run as a script)
 and the tests assert on the relative errors it reports against a float64 per-expert loop (y, dx, dw1, dw2,
 dw3): ragged segments (an empty expert, segments shorter than a tile, tiles cut by a segment's end), width
-and hidden tails past the tile, SiTU and SwiGLU, the kernels keeping x's row block for several blocks of
-hidden units; the MoE layer with kernels.backend=triton and
+and hidden tails past the tile, SiTU and SwiGLU; the MoE layer with kernels.backend=triton and
 checkpoint_experts on it; opcheck and torch.compile(fullgraph=True) of the op. The tile schedule runs in-process.
 CUDA (``pytest -m gpu``): bf16 and fp32 at the K3 default's expert shape against the float64 loop (both dh
-sources, and the kernels keeping x's row block), and under Inductor.
+sources), and under Inductor.
 """
 import json
 
@@ -33,11 +32,6 @@ CASES = {
     "situ_fp32_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 40, 40, "situ", "float32", dict(TILE16, dh="grouped_mm")),
     "swiglu_bf16_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 32, 48, "swiglu", "bfloat16",
                                             dict(TILE16, dh="grouped_mm")),
-    # the kernels keeping x's row block (and dy's) (BK >= W) for NB blocks of hidden units: at W = H = 40 three
-    # blocks of 16 (the third cut by H, K masked past 40); at H = 48 two programs of two blocks, the last past H
-    "situ_fp32_keep_x_3_blocks": ([5, 0, 17, 40], 40, 40, "situ", "float32", dict(TILE16, BK=64, NB=3)),
-    "swiglu_bf16_keep_x_2_blocks_dh_by_grouped_mm": ([5, 0, 17, 40], 32, 48, "swiglu", "bfloat16",
-                                                     dict(TILE16, BK=32, NB=2, dh="grouped_mm")),
 }
 
 
@@ -188,14 +182,13 @@ def test_moe_with_checkpointed_experts_runs_the_fused_op_on_backend_triton(resul
 
 
 def test_launch_sweep_runs_every_configuration_and_checks_it(results):
-    """benchmarks.moe_bench --tune --small: the forward at each of its 4 launch configurations (two tile widths;
-    x's row block kept for 2 or 3 blocks of hidden units), the backward at 8 (the same, each with dh from the
-    kernel or from torch._grouped_mm), each within fp32 rounding of the launch table's result."""
+    """benchmarks.moe_bench --tune --small: the forward at each of its 2 launch configurations, the backward at
+    4 (two tile widths, dh from the kernel or from torch._grouped_mm), each within fp32 rounding of the launch
+    table's result."""
     rows = results["tune"]
-    blocks = [(16, 1), (16, 2), (16, 3), (32, 1)]
-    assert sorted((r["kernel"], r["launch"].get("dh"), r["launch"]["BN"], r["launch"].get("NB", 1))
-                  for r in rows) == sorted([("fwd", None, *b) for b in blocks] + [
-                      ("bwd", dh, *b) for dh in ("grouped_mm", "kernel") for b in blocks])
+    assert sorted((r["kernel"], r["launch"]["BN"], r["launch"].get("dh")) for r in rows) == [
+        ("bwd", 16, "grouped_mm"), ("bwd", 16, "kernel"), ("bwd", 32, "grouped_mm"), ("bwd", 32, "kernel"),
+        ("fwd", 16, None), ("fwd", 32, None)]
     assert all(r["max_rel_error"] < 1e-5 for r in rows), rows
 
 
@@ -242,19 +235,14 @@ def test_tile_schedule_covers_each_segment_once_without_spanning_experts():
 
 def test_tune_grid_leaves_out_oversized_tiles_and_idle_stages():
     """moe_bench's --tune grid at the K3 width: every combination with tiles of at most 128 x 128 and no more
-    stages than the K loop has steps; the backward only with dh from torch._grouped_mm; then the
-    configurations keeping x's row block, with BK the width rounded up to a power of two."""
-    from benchmarks.moe_bench import K3_WIDTH, KEEP_X_SPACE, TUNE_SPACE, tune_launches
+    stages than the K loop has steps; the backward only with dh from torch._grouped_mm."""
+    from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
 
     fwd, bwd = (tune_launches(kernel, TUNE_SPACE, K3_WIDTH) for kernel in ("fwd", "bwd"))
     assert len(fwd) == len(bwd) == 56 and {b["dh"] for b in bwd} == {"grouped_mm"}
     assert all(c["BM"] * c["BN"] <= 128 * 128 and c["num_stages"] * c["BK"] <= K3_WIDTH for c in fwd + bwd)
     assert {(c["BK"], c["num_stages"]) for c in fwd} == {(32, 2), (32, 3), (32, 4), (64, 2), (64, 3), (64, 4),
                                                          (128, 2)}
-    kept = [tune_launches(kernel, TUNE_SPACE, K3_WIDTH, KEEP_X_SPACE)[56:] for kernel in ("fwd", "bwd")]
-    assert [len(k) for k in kept] == [12, 12] and {(c["BK"], c["BM"]) for c in kept[0] + kept[1]} == {(K3_WIDTH, 128)}
-    assert {c["NB"] for c in kept[0]} == {2, 11, 22} and {c["dh"] for c in kept[1]} == {"grouped_mm"}
-    assert tune_launches("fwd", TUNE_SPACE, 200, KEEP_X_SPACE)[-1]["BK"] == 256
 
 
 def test_kernel_resources_of_the_launch_table(tmp_path):
@@ -280,22 +268,16 @@ def test_kernel_resources_of_the_launch_table(tmp_path):
 # --- CUDA ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("glu,dtype,dh,keep_x", [
-    ("situ", "bfloat16", "kernel", 1), ("swiglu", "bfloat16", "kernel", 1), ("situ", "bfloat16", "grouped_mm", 1),
-    ("situ", "float32", "kernel", 1), ("swiglu", "float32", "grouped_mm", 1), ("situ", "bfloat16", "grouped_mm", 22),
-    ("swiglu", "bfloat16", "grouped_mm", 11)])
-def test_cuda_matches_the_float64_reference(glu, dtype, dh, keep_x, monkeypatch):
+@pytest.mark.parametrize("glu,dtype,dh", [("situ", "bfloat16", "kernel"), ("swiglu", "bfloat16", "kernel"),
+                                          ("situ", "bfloat16", "grouped_mm"), ("situ", "float32", "kernel"),
+                                          ("swiglu", "float32", "grouped_mm")])
+def test_cuda_matches_the_float64_reference(glu, dtype, dh, monkeypatch):
     """64 experts, width 256, hidden 1,408 (the K3 default's), 8,192 pairs routed unevenly (one expert
     empty): y and every gradient within LIMIT of the float64 loop, relative (fp32 operands multiply in
-    IEEE fp32, not TF32), with dh = dy W3 from either source, and with the kernels keeping x's row block for
-    keep_x blocks of hidden units (BK = 256; bf16, where the kept blocks fit an SM's shared memory)."""
+    IEEE fp32, not TF32), with dh = dy W3 from either source."""
     from kernels import grouped_glu as gg
 
     monkeypatch.setitem(gg.LAUNCH, "bwd", dict(gg.LAUNCH["bwd"], dh=dh))
-    if keep_x > 1:
-        monkeypatch.setitem(gg.LAUNCH, "fwd", dict(BM=128, BN=64, BK=256, num_warps=8, num_stages=2, NB=keep_x))
-        monkeypatch.setitem(gg.LAUNCH, "bwd", dict(BM=128, BN=32, BK=256, num_warps=8, num_stages=2, dh=dh,
-                                                   NB=keep_x))
     gen = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.rand(64, generator=gen) + 0.2, 8192, replacement=True, generator=gen)
     counts = torch.bincount(counts, minlength=64)
