@@ -368,7 +368,7 @@ class Muon(torch.optim.Optimizer):
                 self._adamw_step(group)
         return loss
 
-    def _muon_step(self, group: dict, grad_scale: Tensor | None = None) -> None:
+    def _muon_step(self, group: dict, grad_scale: Tensor | None) -> None:
         plain, sharded = [], []
         for p, heads in zip(group["params"], group["head_blocks"]):
             if p.grad is None:
@@ -381,8 +381,7 @@ class Muon(torch.optim.Optimizer):
         if plain:
             self._batched_muon_step(group, plain, grad_scale)
 
-    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]],
-                           grad_scale: Tensor | None = None) -> None:
+    def _sharded_muon_step(self, group: dict, pairs: list[tuple[DTensor, int]], grad_scale: Tensor | None) -> None:
         """DTensor (parameter, head_blocks) pairs: momentum, direction and decay on the shards; then per
         `shard_chunks` group, the whole directions all-gathered (`DTensor.full_tensor`), orthogonalised by
         `bucket_updates` as on one device, and each rank adds the rows of its own shard (a Replicate ->
@@ -409,8 +408,7 @@ class Muon(torch.optim.Optimizer):
                            group["nesterov"], scale=grad_scale)
         return DTensor.from_local(u, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]],
-                           grad_scale: Tensor | None = None) -> None:
+    def _batched_muon_step(self, group: dict, pairs: list[tuple[Tensor, int]], grad_scale: Tensor | None) -> None:
         """Plain (parameter, head_blocks) pairs, per bucket of same-shaped matrices (`buckets` of the
         parameters): the momentum updated and the directions written into one batch (`bucket_directions`),
         one Newton-Schulz but its last product (`newton_schulz_factors`), and that product taken into the
@@ -419,8 +417,7 @@ class Muon(torch.optim.Optimizer):
         params, heads = [p for p, _ in pairs], [h for _, h in pairs]
         for bucket in buckets(params, heads):
             q, y = newton_schulz_factors(self.bucket_directions(group, params, bucket, grad_scale),
-                                         group["ns_steps"],
-                                         method=group["ns_method"])
+                                         group["ns_steps"], method=group["ns_method"])
             self.apply_updates(group, params, bucket, q, y)
 
     def bucket_directions(self, group: dict, params: list[Tensor], bucket: list[tuple[int, Tensor]],
