@@ -20,18 +20,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
-    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
-
-
-@torch.library.custom_op("k3lab::mm_fp32", mutates_args=())
-def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a [m, k] @ b [k, n] -> [m, n] fp32, for a and b of one 16-bit dtype (module docstring)."""
-    return _mm(a, b)
-
-
-@mm_fp32.register_fake
-def _(a, b):
-    return a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
 
 
 @torch.library.custom_op("k3lab::addmm_fp32", mutates_args=())
