@@ -37,9 +37,9 @@ first of its group; microseconds per call and the time over that first row.
 
 --combine: the last step of k3lab.model.moe.dispatch_combine at the same routing (262,144 pairs of width 256,
 bf16 on CUDA): the pairs' outputs gathered back into (token, slot) order and summed with the gating weights
-in fp32, forward + backward, compiled. `sum over slots` is `moe.combine` (Inductor makes one reduction over the
-k slots, gathering along it); `slots added in turn` writes the same sum as k - 1 adds of slot slices, which
-Inductor makes a pointwise kernel that gathers k rows per output row. Each form's output and gradients are
+in fp32, forward + backward, compiled. `slots added in turn` is `moe.combine` (k - 1 adds of slot slices, which
+Inductor makes a pointwise kernel that gathers k rows per output row); `sum over slots` writes the same sum as
+one reduction over the k slots, gathering along it. Each form's output and gradients are
 checked against the first form's (fp32 rounding of the sum's order); microseconds per call and the time over
 the first form.
 """
@@ -216,15 +216,12 @@ def routing_rows(device: str, small: bool, iters: int, warmup: int) -> list[dict
     return rows
 
 
-def combine_by_slot(ys: torch.Tensor, inverse: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`k3lab.model.moe.combine` with the sum over the k slots written as k - 1 adds of slot slices."""
+def combine_by_sum(ys: torch.Tensor, inverse: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`k3lab.model.moe.combine` with the sum over the k slots written as one reduction."""
     m, k = weight.shape
     y = ys[inverse].reshape(m, k, -1)
     acc = torch.promote_types(y.dtype, torch.float32)
-    out = y[:, 0].to(acc) * weight[:, :1].to(acc)
-    for j in range(1, k):
-        out = out + y[:, j].to(acc) * weight[:, j:j + 1].to(acc)
-    return out.to(dtype)
+    return (y.to(acc) * weight[..., None].to(acc)).sum(1).to(dtype)
 
 
 def combine_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int) -> list[dict]:
@@ -238,7 +235,7 @@ def combine_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmu
     weight = torch.rand(tokens, k, device=device).softmax(-1)
     g = torch.randn(tokens, width, device=device, dtype=dtype)
     compiled = torch.compile if device.startswith("cuda") else (lambda fn: fn)
-    forms = {"sum over slots (moe.combine)": compiled(combine), "slots added in turn": compiled(combine_by_slot)}
+    forms = {"slots added in turn (moe.combine)": compiled(combine), "sum over slots": compiled(combine_by_sum)}
 
     def fwd_bwd(fn) -> list[torch.Tensor]:
         y, w = ys.detach().requires_grad_(), weight.detach().requires_grad_()

@@ -39,7 +39,8 @@ def differences(g, m, u, nesterov, beta=0.95, scale=None) -> dict:
     u, and whether the kernel changed m at all."""
     s = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=g.device)
     m_torch, u_torch = m.clone(), torch.empty_like(u)
-    momentum_direction(g, m_torch, u_torch, beta, nesterov, backend="torch", scale=s)
+    # the kernel keeps s g in fp32: its torch form is the unscaled one on that fp32 product
+    momentum_direction(g if s is None else g.float() * s, m_torch, u_torch, beta, nesterov, backend="torch")
     m_kernel = m.clone()
     momentum_direction(g, m_kernel, u, beta, nesterov, backend="triton", scale=s)
 
