@@ -81,7 +81,7 @@ def muon_parts(opt) -> tuple[dict, list[tuple[int, int, int, int]], int]:
         "ns": lambda: [newton_schulz_factors(s, g["ns_steps"], method=g["ns_method"])
                        for s, (g, _) in zip(stacks, batches)],
         "update": lambda: [opt.apply_updates(g, g["params"], b, q, y) for (g, b), (q, y) in zip(batches, factors)],
-        "adamw": lambda: [opt._adamw_step(g) for g in adamw],
+        "adamw": lambda: [opt._adamw_step(g, None) for g in adamw],
     }
     return parts, shapes, moved
 

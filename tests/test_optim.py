@@ -722,15 +722,15 @@ def test_toy_model_trains(name):
     assert last < 0.55 * first, (first, last)  # about 0.4 with each option; 1.0 if nothing moved
 
 
-def twin_toys():
-    """Two identical toy models and their optimizers: (a, b, a's optimizer, b's)."""
-    a, b = seeded_toy(), seeded_toy()
+def twin_toys(device: str = "cpu"):
+    """Two identical toy models on `device` and their optimizers: (a, b, a's optimizer, b's)."""
+    a, b = seeded_toy().to(device), seeded_toy().to(device)
     return (a, b, *(build_optimizer(m, OptimConfig(warmup_steps=2), total_steps=10)[0] for m in (a, b)))
 
 
 def same_gradients(a, b, step: int) -> None:
     """a's gradients on toy batch `step`, and a copy of them in b."""
-    loss_of(a, toy_batch(seed=step)).backward()
+    loss_of(a, [t.to(next(a.parameters()).device) for t in toy_batch(seed=step)]).backward()
     for pa, pb in zip(a.parameters(), b.parameters()):
         pb.grad = pa.grad.clone()
 
@@ -748,18 +748,26 @@ def test_same_grads_give_bitwise_same_update():
         assert torch.equal(pa, pb)
 
 
-def test_scale_grads_moves_the_weights_as_clipping_the_gradients_first():
-    """clip_grad_norm handing its factor to Muon.scale_grads (the Muon groups' gradients multiplied where the
-    momentum update reads them, the AdamW groups' at once) moves the weights bit for bit as clipping the
-    gradients in place; the Muon gradients stay as they were, and the factor holds for one step only."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_scale_grads_moves_the_weights_as_clipping_the_gradients_first(device):
+    """clip_grad_norm handing its factor to Muon.scale_grads moves the weights as clipping the gradients in
+    place; the Muon gradients stay as they were, and the factor holds for one step only (the third step is
+    not clipped: a factor left over would still scale it). CPU: bit for bit (the Muon groups' momentum in
+    torch on g * s, AdamW's gradients multiplied at the step). CUDA: fused AdamW divides by 1 / s as it reads
+    g, so its weights agree to fp32 rounding, within 1e-5 of how far each moved (an ignored factor moves them
+    by a multiple of that); the momentum kernel keeps s g in fp32 (tests/test_momentum.py), where a rounding
+    may flip a bf16 Newton-Schulz input: the Muon weights within 1e-2 of their movement."""
     from k3lab.lit import clip_grad_norm
 
-    a, b, opt_a, opt_b = twin_toys()
+    a, b, opt_a, opt_b = twin_toys(device)
+    start = [p.detach().clone() for p in a.parameters()]
+    in_muon = {id(p) for g in opt_a.param_groups if g["use_muon"] for p in g["params"]}
     for step in range(3):
         same_gradients(a, b, step)
         muon = [p for g in opt_a.param_groups if g["use_muon"] for p in g["params"]]
         muon_grads = [p.grad.clone() for p in muon]
-        if step < 2:  # the third step is not clipped: a factor left over would still scale it
+        if step < 2:
             norm = clip_grad_norm(a.parameters(), 0.05, opt_a)
             assert torch.equal(norm, clip_grad_norm(b.parameters(), 0.05)) and norm > 0.05
             assert all(torch.equal(p.grad, g) for p, g in zip(muon, muon_grads))
@@ -767,8 +775,12 @@ def test_scale_grads_moves_the_weights_as_clipping_the_gradients_first():
         opt_b.step()
         opt_a.zero_grad()
         opt_b.zero_grad()
-        for pa, pb in zip(a.parameters(), b.parameters()):
-            assert torch.equal(pa, pb), step
+        for pa, pb, p0 in zip(a.parameters(), b.parameters(), start):
+            if device == "cpu":
+                assert torch.equal(pa, pb), step
+            else:
+                limit = 1e-2 if id(pa) in in_muon else 1e-5
+                assert (pa - pb).abs().max() <= limit * (pb - p0).abs().max(), step
 
 
 @pytest.mark.parametrize("name", ["muon_per_head", "adamw"])
