@@ -565,6 +565,19 @@ def peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
 
 
+def gpu_limits(query=subprocess.run) -> str:
+    """", power limit 700 W, SM clock up to 1980 MHz" for the first visible GPU, from nvidia-smi; "" where it is
+    missing or says nothing usable. Rows from two machines of one model may differ by a few percent (a
+    power-capped board is slower): the header says which board a table came from."""
+    try:
+        out = query(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=30).stdout
+        watts, mhz = (float(v) for v in out.splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return ""
+    return f", power limit {watts:.0f} W, SM clock up to {mhz:.0f} MHz"
+
+
 def progress(row: Row, seconds: float) -> str:
     """One line per finished row, so that a run stopped early still tells what it measured, with the
     row's wall time (compilation and autotuning included: what a device call has to leave room for)."""
@@ -686,7 +699,7 @@ def main(argv=None) -> str:
                 rows.append(row)
                 print(f"  {progress(row, time.perf_counter() - start)}", flush=True)
     rows += fla_by_model.values()
-    device = torch.cuda.get_device_name() if device_of(first).type == "cuda" else "CPU"
+    device = torch.cuda.get_device_name() + gpu_limits() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]

@@ -179,6 +179,28 @@ def test_launch_sites_sum_copies_by_the_chain_of_host_ops_that_launched_them():
     assert launch_sites(events[:2]) == "No copies or generic elementwise kernels on the device."
 
 
+def test_gpu_limits_read_nvidia_smi_and_say_nothing_without_it():
+    """The header's board limits from nvidia-smi's CSV (first GPU); "" when it is missing or prints no numbers."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks.step import gpu_limits
+
+    def smi(stdout):
+        return lambda *args, **kw: SimpleNamespace(stdout=stdout)
+
+    def missing(*args, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert gpu_limits(smi("700.00, 1980\n600.00, 1785\n")) == ", power limit 700 W, SM clock up to 1980 MHz"
+    assert gpu_limits(smi("[N/A], [N/A]\n")) == gpu_limits(smi("")) == gpu_limits(missing) == ""
+
+    def slow(*args, **kw):
+        raise subprocess.TimeoutExpired("nvidia-smi", 30)
+
+    assert gpu_limits(slow) == ""
+
+
 def test_fla_config_follows_the_decay_and_residual_switches():
     """fla's model takes the sigmoid decay as safe_gate with its g_min, softplus as its default gate, and
     AttnRes blocks in sublayers as this model counts them (block_size, or n_blocks over 2 x n_layers)."""
