@@ -24,9 +24,10 @@ empty set, or none given, is the positional overrides alone). For each variant:
   through a callback. A compiled row, on either path, also prints how many graphs dynamo compiled and its
   graph breaks with their reasons.
 - trainer: k3lab.train.train, what run.py runs, for warmup + steps (+ profile) steps into a temporary run
-  directory, logging every gcd(warmup, steps) steps, validating one batch at the start and the end, no
-  periodic checkpoint: tokens/s over the logging windows after the warm-up, from metrics.jsonl's
-  speed/tokens_per_s; peak memory from summary.json.
+  directory, logging every train.log_every steps as a run does (a log step reads the losses back, so a
+  window of one step would time the host's wait each step), validating one batch at the start and the
+  end, no periodic checkpoint: tokens/s over optimizer steps warmup+1 .. warmup+steps, timed by a callback
+  that synchronises the device at both ends (`StepClock`); peak memory from summary.json.
 - with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at each variant's
   configuration (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
   where the model has MLA, through its `attn` config, which needs flash-attn: add mixer=kda for an all-KDA
@@ -58,7 +59,6 @@ import contextlib
 import gc
 import heapq
 import io
-import math
 import os
 import shlex
 import subprocess
@@ -81,7 +81,6 @@ from k3lab.flops import flops_per_token, mixing_flops_per_token
 from k3lab.lit import clip_grad_norm, peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
-from k3lab.rundir import read_metrics
 from k3lab.train import compile_model, peak_memory_mb, quiet_lightning, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -477,27 +476,43 @@ class ProfileSteps(L.Callback):
             self.table = top_ops(self.prof, self.device)
 
 
+class StepClock(L.Callback):
+    """Wall time from the end of optimizer step `first` to the end of step `last`, the device synchronised at
+    both (the first batch end that sees each step count, so gradient accumulation's later micro-batches do
+    not move it): `seconds`, once both have passed."""
+
+    def __init__(self, first: int, last: int, device: torch.device):
+        self.first, self.last, self.device = first, last, device
+        self.times: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, *_):
+        if trainer.global_step in (self.first, self.last) and trainer.global_step not in self.times:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.times[trainer.global_step] = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self.times[self.last] - self.times[self.first]
+
+
 def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int,
                 profile: int = 0) -> Row:
-    window = math.gcd(warmup, steps)
     total = warmup + steps + profile
-    run = [f"train.max_steps={total}", f"train.log_every={window}", f"train.val_every={total}", "train.val_batches=1",
-           "train.ckpt_every=0", f"out_dir={tmp}", "group=step", f"run_name=v{index}", "overwrite=true"]
+    run = [f"train.max_steps={total}", f"train.val_every={total}", "train.val_batches=1", "train.ckpt_every=0",
+           f"out_dir={tmp}", "group=step", f"run_name=v{index}", "overwrite=true"]
     cfg = compose_config([*overrides, *run])
     device = device_of(cfg)
     reset_peak(device)
     torch._dynamo.utils.counters.clear()
+    clock = StepClock(warmup, warmup + steps, device)
     probe = ProfileSteps(warmup + steps, profile, device)
-    summary = train(cfg, overrides=[*overrides, *run], callbacks=[probe] if profile else [])
+    summary = train(cfg, overrides=[*overrides, *run], callbacks=[clock, probe] if profile else [clock])
     if compile_mode(cfg):
         print(f"  {variant or '(overrides only)'} / trainer: {compiled_graphs()}", flush=True)
     if profile:
         print(f"Profile of {profile} trainer steps, {variant or '(overrides only)'}:\n{probe.table}", flush=True)
-    tokens_per_window = window * summary["tokens_per_step"]
-    rows = [r for r in read_metrics(tmp / "step" / f"v{index}")
-            if r.get("speed/tokens_per_s") and warmup < r["step"] <= warmup + steps]
-    seconds = sum(tokens_per_window / r["speed/tokens_per_s"] for r in rows)
-    tokens_per_s = len(rows) * tokens_per_window / seconds
+    tokens_per_s = steps * summary["tokens_per_step"] / clock.seconds
     return Row(variant, "trainer", tokens_per_s, 1e3 * summary["tokens_per_step"] / tokens_per_s,
                summary["flops_per_token"], summary["peak_memory_mb"])
 

@@ -189,6 +189,21 @@ def test_launch_sites_sum_copies_by_the_chain_of_host_ops_that_launched_them():
     assert launch_sites(events[:2]) == "No copies or generic elementwise kernels on the device."
 
 
+def test_step_clock_times_from_the_first_named_step_to_the_last(monkeypatch):
+    """The trainer row's clock: from the first batch end that sees `first` optimizer steps done to the first
+    that sees `last` (later micro-batches of an accumulated step leave both where they are)."""
+    from types import SimpleNamespace
+
+    import benchmarks.step as step
+
+    ticks = iter(range(100, 200))
+    monkeypatch.setattr(step.time, "perf_counter", lambda: float(next(ticks)))
+    clock = step.StepClock(2, 4, torch.device("cpu"))
+    for done in [1, 1, 2, 2, 3, 3, 4, 4]:  # two micro-batches per optimizer step
+        clock.on_train_batch_end(SimpleNamespace(global_step=done))
+    assert clock.times == {2: 100.0, 4: 101.0} and clock.seconds == 1.0
+
+
 def test_gpu_limits_read_nvidia_smi_and_say_nothing_without_it():
     """The header's board limits from nvidia-smi's CSV (first GPU); "" when it is missing or prints no numbers."""
     import subprocess
