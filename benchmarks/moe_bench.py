@@ -4,6 +4,7 @@ in their checkpointed forms.
     python -m benchmarks.moe_bench                      # CUDA, bf16, 64-256 experts, top-8
     python -m benchmarks.moe_bench --experts            # the K3 default's routed experts, three forms
     python -m benchmarks.moe_bench --tune               # the fused experts' launch table, swept there
+    python -m benchmarks.moe_bench --tune --tune-kernels bwd   # the backward's grid alone
     python -m benchmarks.moe_bench --routing            # QB's cutoffs and the expert counts, each form
     python -m benchmarks.moe_bench --combine            # the experts' outputs mixed back per token, two forms
     python -m benchmarks.moe_bench --routing --experts --tune  # the three tables above in one run
@@ -148,14 +149,16 @@ def tune_launches(kernel: str, space: dict, width: int) -> list[dict]:
             and launch["num_stages"] * launch["BK"] <= max(width, launch["BK"])]
 
 
-def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6) -> list[dict]:
-    """The --tune table (module docstring): one row per kernel and launch configuration that ran."""
+def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: int, top: int = 6,
+              kernels: tuple[str, ...] = ("fwd", "bwd")) -> list[dict]:
+    """The --tune table (module docstring): one row per kernel of `kernels` and launch configuration that ran."""
     from kernels import grouped_glu as gg
 
     experts, counts, xs, dy = expert_inputs(device, dtype, small)
     w1, w2, w3 = (w.detach() for w in (experts.w1, experts.w2, experts.w3))
     calls = {"fwd": lambda cfg: [gg.glu_fwd(xs, counts, w1, w2, w3, 4.0, 25.0, True, cfg)],
              "bwd": lambda cfg: list(gg.glu_bwd(xs, dy, counts, w1, w2, w3, 4.0, 25.0, True, cfg))}
+    calls = {kernel: call for kernel, call in calls.items() if kernel in kernels}
     space = SMALL_TUNE_SPACE if small else TUNE_SPACE
     rows = []
     for kernel, call in calls.items():
@@ -315,9 +318,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
     ap.add_argument("--tune", action="store_true", help="sweep the fused experts' launch table (docstring)")
+    ap.add_argument("--tune-kernels", default="fwd,bwd", metavar="K",
+                    help="with --tune: the kernels whose grids run, comma-separated (fwd, bwd): one call each where "
+                         "a device call's time limit cannot hold both")
     ap.add_argument("--routing", action="store_true", help="QB's cutoffs and the expert counts, each form")
     ap.add_argument("--combine", action="store_true", help="the experts' outputs mixed back per token, two forms")
     args = ap.parse_args(argv)
+    tune_kernels = tuple(args.tune_kernels.split(","))
+    if not tune_kernels or not set(tune_kernels) <= {"fwd", "bwd"}:
+        ap.error(f"--tune-kernels {args.tune_kernels!r}: valid kernels are fwd and bwd, comma-separated")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES
     iters = args.iters or (2 if args.small else 20)
@@ -326,7 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return ((routing_rows(args.device, args.small, iters, warmup) if args.routing else [])
                 + (combine_rows(args.device, dtype, args.small, iters, warmup) if args.combine else [])
                 + (experts_rows(args.device, dtype, args.small, iters, warmup) if args.experts else [])
-                + (tune_rows(args.device, dtype, args.small, iters, warmup) if args.tune else []))
+                + (tune_rows(args.device, dtype, args.small, iters, warmup, kernels=tune_kernels)
+                   if args.tune else []))
     has_grouped = grouped_available(args.device, dtype)
     torch.manual_seed(0)
 

@@ -143,6 +143,9 @@ def _run_checks() -> dict:
 
     rows = moe_bench.main(["--device", "cpu", "--small", "--tune", "--iters", "1", "--warmup", "0"])
     out["tune"] = [{k: r[k] for k in ("kernel", "launch", "max_rel_error")} for r in rows]
+    rows = moe_bench.main(["--device", "cpu", "--small", "--tune", "--tune-kernels", "bwd", "--iters", "1",
+                           "--warmup", "0"])
+    out["tune_bwd"] = sorted({r["kernel"] for r in rows})
     return out
 
 
@@ -194,6 +197,7 @@ def test_launch_sweep_runs_every_configuration_and_checks_it(results):
         [("bwd", bn, form, dh) for bn, form in forms for dh in ("grouped_mm", "kernel")]
         + [("fwd", bn, form, None) for bn, form in forms])
     assert all(r["max_rel_error"] < 1e-5 for r in rows), rows
+    assert results["tune_bwd"] == ["bwd"]  # --tune-kernels bwd: the backward's grid alone
 
 
 def test_unknown_dh_source_or_gate_up_form_is_refused():

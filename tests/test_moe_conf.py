@@ -67,6 +67,16 @@ def test_routing_benchmark_runs_on_cpu(capsys):
     assert "| QB cutoffs | topk, transposed (qb_quantile_exact) |" in capsys.readouterr().out
 
 
+def test_tune_kernels_refuses_a_kernel_it_does_not_have(capsys):
+    """--tune-kernels with a name outside fwd, bwd stops with one line naming the valid ones (which grids run
+    is tested under the interpreter, tests/test_grouped_glu.py)."""
+    from benchmarks import moe_bench as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--small", "--tune", "--tune-kernels", "fwd,up"])
+    assert "--tune-kernels 'fwd,up': valid kernels are fwd and bwd" in capsys.readouterr().err
+
+
 def test_combine_benchmark_runs_on_cpu(capsys):
     """--combine --small on the CPU: both forms of the experts' mix back per token, the second checked against
     moe.combine inside the benchmark (it raises beyond fp32 rounding), timed against it."""
