@@ -582,17 +582,19 @@ def peak_mb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_memory_mb()
 
 
-def gpu_limits(query=subprocess.run) -> str:
-    """", power limit 700 W, SM clock up to 1980 MHz" for the first visible GPU, from nvidia-smi; "" where it is
-    missing or says nothing usable. Rows from two machines of one model may differ by a few percent (a
-    power-capped board is slower): the header says which board a table came from."""
+def gpu_board(query=subprocess.run) -> str:
+    """", board GPU-1a2b3c4d, power limit 700 W, SM clock up to 1980 MHz" for the first visible GPU, from
+    nvidia-smi (the board by the start of its UUID); "" where it is missing or says nothing usable. Rows of
+    one model's boards differ by up to 3% on the H200 (benchmarks/RESULTS.md): the header says which board a
+    table came from, so that rows of separate calls are compared on one board."""
     try:
-        out = query(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader,nounits"],
+        out = query(["nvidia-smi", "--query-gpu=uuid,power.limit,clocks.max.sm", "--format=csv,noheader,nounits"],
                     capture_output=True, text=True, timeout=30).stdout
-        watts, mhz = (float(v) for v in out.splitlines()[0].split(","))
+        uuid, watts, mhz = (v.strip() for v in out.splitlines()[0].split(","))
+        watts, mhz = float(watts), float(mhz)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return ""
-    return f", power limit {watts:.0f} W, SM clock up to {mhz:.0f} MHz"
+    return f", board {uuid[:12]}, power limit {watts:.0f} W, SM clock up to {mhz:.0f} MHz"
 
 
 def progress(row: Row, seconds: float) -> str:
@@ -726,7 +728,7 @@ def main(argv=None) -> str:
                 rows.append(row)
                 print(f"  {progress(row, time.perf_counter() - start)}", flush=True)
     rows += fla_by_model.values()
-    device = torch.cuda.get_device_name() + gpu_limits() if device_of(first).type == "cuda" else "CPU"
+    device = torch.cuda.get_device_name() + gpu_board() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
               f"{args.warmup} warm-up + {args.steps} timed steps.",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]

@@ -204,12 +204,13 @@ def test_step_clock_times_from_the_first_named_step_to_the_last(monkeypatch):
     assert clock.times == {2: 100.0, 4: 101.0} and clock.seconds == 1.0
 
 
-def test_gpu_limits_read_nvidia_smi_and_say_nothing_without_it():
-    """The header's board limits from nvidia-smi's CSV (first GPU); "" when it is missing or prints no numbers."""
+def test_gpu_board_reads_nvidia_smi_and_says_nothing_without_it():
+    """The header's board from nvidia-smi's CSV (first GPU: its UUID's start, power limit, top SM clock); ""
+    when nvidia-smi is missing, times out or prints no numbers."""
     import subprocess
     from types import SimpleNamespace
 
-    from benchmarks.step import gpu_limits
+    from benchmarks.step import gpu_board
 
     def smi(stdout):
         return lambda *args, **kw: SimpleNamespace(stdout=stdout)
@@ -217,13 +218,13 @@ def test_gpu_limits_read_nvidia_smi_and_say_nothing_without_it():
     def missing(*args, **kw):
         raise FileNotFoundError("nvidia-smi")
 
-    assert gpu_limits(smi("700.00, 1980\n600.00, 1785\n")) == ", power limit 700 W, SM clock up to 1980 MHz"
-    assert gpu_limits(smi("[N/A], [N/A]\n")) == gpu_limits(smi("")) == gpu_limits(missing) == ""
-
     def slow(*args, **kw):
         raise subprocess.TimeoutExpired("nvidia-smi", 30)
 
-    assert gpu_limits(slow) == ""
+    two = "GPU-1a2b3c4d-aaaa-bbbb, 700.00, 1980\nGPU-99999999-cccc, 600.00, 1785\n"
+    assert gpu_board(smi(two)) == ", board GPU-1a2b3c4d, power limit 700 W, SM clock up to 1980 MHz"
+    assert gpu_board(smi("GPU-1a2b3c4d, [N/A], [N/A]\n")) == gpu_board(smi("")) == ""
+    assert gpu_board(missing) == gpu_board(slow) == ""
 
 
 def test_fla_config_follows_the_decay_and_residual_switches():
