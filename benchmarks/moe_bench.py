@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--combine", action="store_true", help="the experts' outputs mixed back per token, two forms")
     args = ap.parse_args(argv)
     tune_kernels = tuple(args.tune_kernels.split(","))
-    if not tune_kernels or not set(tune_kernels) <= {"fwd", "bwd"}:
+    if not set(tune_kernels) <= {"fwd", "bwd"}:
         ap.error(f"--tune-kernels {args.tune_kernels!r}: valid kernels are fwd and bwd, comma-separated")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     shapes = SMALL_SHAPES if args.small else GPU_SHAPES

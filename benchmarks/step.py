@@ -641,11 +641,10 @@ def base_table(rev: str, argv: list[str]) -> str:
     a percent on the H200: benchmarks/RESULTS.md)."""
     if (Path(rev) / "benchmarks" / "step.py").is_file():
         return _base_rows(Path(rev).resolve(), f"{rev} (a tree)", argv)
-    root = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(root)]
+    git = ["git", "-C", str(ROOT)]
     commit = subprocess.run([*git, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True)
     if commit.returncode:
-        raise SystemExit(f"--base {rev!r}: not a commit of {root} ({commit.stderr.strip()}), nor a directory "
+        raise SystemExit(f"--base {rev!r}: not a commit of {ROOT} ({commit.stderr.strip()}), nor a directory "
                          f"holding benchmarks/step.py")
     sha = commit.stdout.strip()
     with tempfile.TemporaryDirectory(prefix="k3lab-base-") as tree:

@@ -472,13 +472,16 @@ class Muon(torch.optim.Optimizer):
             step_device = p.device if fused else torch.device("cpu")
             if state["step"].device != step_device:
                 state["step"] = state["step"].to(step_device, torch.float32)
-        if grad_scale is not None and not fused:
+        fused_scale = None  # fused AdamW divides each gradient by its grad_scale as it reads it
+        if grad_scale is not None and fused:
+            fused_scale = 1 / grad_scale
+        elif grad_scale is not None:
             torch._foreach_mul_([p.grad for p in params], grad_scale)
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
         adamw(
             params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [], [s["step"] for s in states], fused=True if fused else None, amsgrad=False,
-            grad_scale=1 / grad_scale if grad_scale is not None and fused else None,
+            grad_scale=fused_scale,
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=False)
