@@ -1,7 +1,7 @@
 """What the fused experts' kernels (kernels/grouped_glu.py) ask of an H100/H200 per launch configuration, found
 without a GPU: each kernel compiled for sm_90 by the installed Triton, whose CUDA backend runs on any machine.
 
-    python -m benchmarks.kernel_resources                  # the launch table (grouped_glu.LAUNCH), each gate_up
+    python -m benchmarks.kernel_resources                  # the launch table (kernels.grouped_glu.LAUNCH)
     python -m benchmarks.kernel_resources --space tune     # every configuration moe_bench --tune times
 
 Per kernel and configuration: the shared memory one program needs (KiB), the registers of a thread and the
@@ -43,8 +43,7 @@ def compile_sm90(kernel: str, launch: dict, dtype: str = "bf16") -> dict:
     fn, tensors = SIGNATURES[kernel]
     names = tensors + TILE_ARGS + ["H", "W", "b1", "b2"]
     signature = dict(zip(names, [f"*{dtype}"] * len(tensors) + ["*i32"] * 3 + ["i32", "i32", "fp32", "fp32"]))
-    constexprs = dict(SITU=True, ONE=launch["gate_up"] == "one", GPU=True, BM=launch["BM"], BN=launch["BN"],
-                      BK=launch["BK"])
+    constexprs = dict(SITU=True, GPU=True, BM=launch["BM"], BN=launch["BN"], BK=launch["BK"])
     if kernel == "bwd":
         constexprs["DH_IN"] = launch["dh"] == "grouped_mm"
     signature.update({name: "constexpr" for name in constexprs})
@@ -82,11 +81,10 @@ def register_usage(cubin: bytes) -> tuple[int, int]:
 
 
 def launches(space: str) -> list[tuple[str, dict]]:
-    """(kernel, launch) pairs: the launch table's, each with either gate_up form (its backward also with
-    either dh source), or those of benchmarks.moe_bench.TUNE_SPACE."""
+    """(kernel, launch) pairs: the launch table's (its backward with either dh source), or those of
+    benchmarks.moe_bench.TUNE_SPACE."""
     if space == "table":
-        return ([("fwd", dict(gg.LAUNCH["fwd"], gate_up=form)) for form in gg.GATE_UP]
-                + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh, gate_up=form)) for dh in gg.DH_SOURCES for form in gg.GATE_UP])
+        return [("fwd", gg.LAUNCH["fwd"])] + [("bwd", dict(gg.LAUNCH["bwd"], dh=dh)) for dh in gg.DH_SOURCES]
     from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
 
     return [(kernel, launch) for kernel in ("fwd", "bwd") for launch in tune_launches(kernel, TUNE_SPACE, K3_WIDTH)]

@@ -25,10 +25,9 @@ relative error of the output and gradients against eager `grouped`, and the time
 checkpointed form's. On the CPU (--small) the forms run eager, fused only under TRITON_INTERPRET=1.
 
 --tune: the fused kernels alone at the same shape (kernels.grouped_glu: glu_fwd, glu_bwd), every launch
-configuration of TUNE_SPACE (tiles BM x BN, K step BK, warps, stages, two gate and up products or one over
-interleaved rows; for the backward also where dh comes from), each checked against the launch table's result
-and timed; prints the fastest rows per kernel and the table's own (runs on CUDA, or on the CPU under
-TRITON_INTERPRET=1 with --small).
+configuration of TUNE_SPACE (tiles BM x BN, K step BK, warps, stages; for the backward also where dh comes
+from), each checked against the launch table's result and timed; prints the fastest rows per kernel and
+the table's own (runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with --small).
 
 --routing: the two selections a MoE layer makes per step besides its top-k, at the K3 default's routing
 (32,768 tokens, 64 experts, top-8): QB's cutoffs, the c-th largest margin of each expert's column
@@ -111,15 +110,14 @@ def grouped_available(device: str, dtype: torch.dtype) -> bool:
 
 # --tune's grid: every combination, less tiles over 128 x 128 (out of shared memory on the H200) and pipelines
 # deeper than the K loop (stages x BK over the width: Triton allocates every stage whether the loop fills it or
-# not), 224 in all at the K3 width. Each of those compiles for sm_90 with pipelined loads and wgmma
+# not), 112 in all at the K3 width. Each of those compiles for sm_90 with pipelined loads and wgmma
 # (`python -m benchmarks.kernel_resources --space tune`). The backward takes dh from torch._grouped_mm only:
 # with dh in the kernel the best of 32 took 4.15 ms on the H200 against 3.80 (RESULTS.md); `glu_bwd` keeps both
 # sources, and SMALL_TUNE_SPACE tests both.
 TUNE_SPACE = dict(BM=(64, 128), BN=(64, 128), BK=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4),
-                  gate_up=("two", "one"), dh=("grouped_mm",))
+                  dh=("grouped_mm",))
 K3_WIDTH, SMALL_WIDTH = 256, 16  # the experts' width W (the kernels' K extent) of --experts and --tune
-SMALL_TUNE_SPACE = dict(BM=(16,), BN=(16, 32), BK=(16,), num_warps=(1,), num_stages=(1,), gate_up=("two", "one"),
-                        dh=("kernel", "grouped_mm"))
+SMALL_TUNE_SPACE = dict(BM=(16,), BN=(16, 32), BK=(16,), num_warps=(1,), num_stages=(1,), dh=("kernel", "grouped_mm"))
 
 
 def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor,

@@ -10,13 +10,9 @@ SwiGLU, f(g) = g sigmoid(g) and c(u) = u.
 This is the experts under activation checkpointing (``kernels.checkpoint_experts``), with the GLU fused:
 the autograd graph keeps the inputs alone and the backward recomputes gate and up inside its kernel.
 
-- forward ``_glu_fwd``: per [BM, BN] tile of the hidden layer, gate g and up u in fp32 from one pass over
-  x's row block, then h = f(g) c(u) written once in x's dtype (g and u never reach memory);
-  torch._grouped_mm runs h through W3. The launch key `gate_up` says how g and u are formed: "two"
-  products, one with a [BK, BN] tile of w1 and one with w2's, or "one" product with a [BK, 2 BN] tile of
-  [w1; w2] with their rows interleaved (row 2j of w1, 2j + 1 of w2, a copy made per call), whose [BM, 2 BN]
-  result splits into g and u in registers: one tensor-core instruction of twice the width, which reads x's
-  tile from shared memory once a K step instead of twice.
+- forward ``_glu_fwd``: per [BM, BN] tile of the hidden layer, gate g and up u in two fp32 accumulators
+  from one pass over x's row block, then h = f(g) c(u) written once in x's dtype (g and u never reach
+  memory); torch._grouped_mm runs h through W3.
 - backward ``_glu_bwd``: per tile, dh = dy W3[e] and g, u again, all three in one pass over the row blocks
   of dy and x (or dh from one torch._grouped_mm before it: the launch table's `dh`); the epilogue writes
   h (for dW3) and dg = dh c(u) f'(g), du = dh f(g) c'(u) side by side in one [M, 2H] tensor, so that
@@ -56,16 +52,14 @@ jit = triton.jit if triton is not None else (lambda fn: fn)
 # memory a program at this tile, `python -m benchmarks.kernel_resources`). The [M, H] dh costs the K3 default
 # 0.68 GiB of peak memory for 0.6 ms a step. Programs that kept x's row block (and dy's) for up to 22 tiles
 # of hidden units, which halves the L2 traffic, were timed and not kept: the best of them tied the best
-# backward (4.006 against 3.996 ms), and no forward of them came near (benchmarks/RESULTS.md). gate_up "two"
-# is the form those sweeps timed; "one" (a product of twice the width over interleaved rows) compiles for
-# sm_90 to one pipelined wgmma a K step with no more shared memory or registers at these tiles
-# (`benchmarks.kernel_resources`) and is in the --tune grid, not yet timed.
-LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, gate_up="two"),
-          "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm", gate_up="two")}
+# backward (4.006 against 3.996 ms), and no forward of them came near; nor did gate and up from one product
+# of twice the width over w1 and w2's rows interleaved (1.540 against 1.520 ms forward, not among the
+# backward's six fastest; benchmarks/RESULTS.md).
+LAUNCH = {"fwd": dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
+          "bwd": dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=3, dh="grouped_mm")}
 DH_SOURCES = ("kernel", "grouped_mm")  # LAUNCH["bwd"]["dh"]: see `glu_bwd`
-GATE_UP = ("two", "one")  # LAUNCH[kernel]["gate_up"]: two products or one over interleaved rows (module docstring)
 
-__all__ = ["DH_SOURCES", "GATE_UP", "LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
+__all__ = ["DH_SOURCES", "LAUNCH", "glu_bwd", "glu_fwd", "grouped_glu", "tile_schedule", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -151,48 +145,18 @@ def _gate_up_step(x_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU: tl.cons
 
 
 @jit
-def _paired_rows(e, H, W, BN: tl.constexpr, BK: tl.constexpr):
-    """Offsets [BK, 2 BN] of this program's tile of w12[e]^T (w12 [n, 2H, W], rows 2j and 2j + 1 = w1[j] and
-    w2[j]) and the mask of its rows: the hidden units of `_tile`'s cols, gate and up side by side."""
-    pairs = tl.program_id(0) * 2 * BN + tl.arange(0, 2 * BN)
-    ks = tl.arange(0, BK)
-    return e * 2 * H * W + pairs.to(tl.int64)[None, :] * W + ks[:, None], pairs < 2 * H
-
-
-@jit
-def _paired_step(x_at, w12, w_at, k, kmask, rmask, pmask, gu, GPU: tl.constexpr):
-    """gu [BM, 2 BN] += x's [BM, BK] block at k times the [BK, 2 BN] tile of w12[e]^T there."""
-    a = tl.load(x_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0)
-    return _dot(a, tl.load(w12 + w_at + k, mask=kmask[:, None] & pmask[None, :], other=0.0), gu, GPU)
-
-
-@jit
-def _split_pairs(gu, BM: tl.constexpr, BN: tl.constexpr):
-    """g, u [BM, BN] from the interleaved columns of gu [BM, 2 BN] (a register reinterpretation on the GPU)."""
-    return tl.split(tl.reshape(gu, (BM, BN, 2)))
-
-
-@jit
-def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2, SITU: tl.constexpr,
-             ONE: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """ONE: w1 holds the interleaved w12 [n, 2H, W] (`_paired_rows`) and w2 is not read."""
+def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2,
+             SITU: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
     if idle:
         return
     ks = tl.arange(0, BK)
     x_at = x + rows.to(tl.int64)[:, None] * W + ks[None, :]                # [BM, BK]
-    if ONE:
-        w_at, pmask = _paired_rows(e, H, W, BN, BK)
-        gu = tl.zeros((BM, 2 * BN), tl.float32)
-        for k in range(0, W, BK):
-            gu = _paired_step(x_at, w1, w_at, k, (k + ks) < W, rmask, pmask, gu, GPU)
-        g, u = _split_pairs(gu, BM, BN)
-    else:
-        w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]    # [BK, BN] of w1[e]^T, w2[e]^T
-        g = tl.zeros((BM, BN), tl.float32)
-        u = tl.zeros((BM, BN), tl.float32)
-        for k in range(0, W, BK):
-            g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
+    w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]        # [BK, BN] of w1[e]^T, w2[e]^T
+    g = tl.zeros((BM, BN), tl.float32)
+    u = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, W, BK):
+        g, u = _gate_up_step(x_at, w1, w2, w_at, k, (k + ks) < W, rmask, cmask, g, u, GPU)
     fg, _, cu, _ = _glu_parts(g, u, b1, b2, SITU, GPU)
     tl.store(h + rows.to(tl.int64)[:, None] * H + cols[None, :], (fg * cu).to(h.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
@@ -200,23 +164,18 @@ def _glu_fwd(x, w1, w2, h, tile_expert, tile_start, tile_end, H, W, b1, b2, SITU
 
 @jit
 def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end, H, W, b1, b2,
-             SITU: tl.constexpr, DH_IN: tl.constexpr, ONE: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr):
-    """ONE: as in `_glu_fwd`."""
+             SITU: tl.constexpr, DH_IN: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
     e, rows, rmask, cols, cmask, idle = _tile(tile_expert, tile_start, tile_end, H, BM, BN)
     if idle:
         return
     ks = tl.arange(0, BK)
     row_at = rows.to(tl.int64)[:, None] * W + ks[None, :]                 # [BM, BK] of x and dy
+    w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]       # [BK, BN] of w1[e]^T, w2[e]^T
     w3_at = e * W * H + ks.to(tl.int64)[:, None] * H + cols[None, :]      # [BK, BN] of w3[e]
     dh = tl.zeros((BM, BN), tl.float32)
-    if ONE:
-        w_at, pmask = _paired_rows(e, H, W, BN, BK)
-        gu = tl.zeros((BM, 2 * BN), tl.float32)
-    else:
-        w_at = e * H * W + cols.to(tl.int64)[None, :] * W + ks[:, None]   # [BK, BN] of w1[e]^T, w2[e]^T
-        g = tl.zeros((BM, BN), tl.float32)
-        u = tl.zeros((BM, BN), tl.float32)
+    g = tl.zeros((BM, BN), tl.float32)
+    u = tl.zeros((BM, BN), tl.float32)
     out = rows.to(tl.int64)[:, None] * H + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
     for k in range(0, W, BK):
@@ -224,12 +183,7 @@ def _glu_bwd(x, dy, w1, w2, w3, dh_in, h, dgu, tile_expert, tile_start, tile_end
         if not DH_IN:
             dh = _dot(tl.load(dy + row_at + k, mask=rmask[:, None] & kmask[None, :], other=0.0),
                       tl.load(w3 + w3_at + k * H, mask=kmask[:, None] & cmask[None, :], other=0.0), dh, GPU)
-        if ONE:
-            gu = _paired_step(x + row_at, w1, w_at, k, kmask, rmask, pmask, gu, GPU)
-        else:
-            g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
-    if ONE:
-        g, u = _split_pairs(gu, BM, BN)
+        g, u = _gate_up_step(x + row_at, w1, w2, w_at, k, kmask, rmask, cmask, g, u, GPU)
     if DH_IN:
         dh = tl.load(dh_in + out, mask=omask, other=0.0).to(tl.float32)
     fg, dfg, cu, dcu = _glu_parts(g, u, b1, b2, SITU, GPU)
@@ -244,52 +198,39 @@ def _offsets(counts: Tensor) -> Tensor:
     return torch.cumsum(counts, 0).to(torch.int32)
 
 
-def _gate_up_weights(w1: Tensor, w2: Tensor, cfg: dict) -> tuple[Tensor, Tensor, bool]:
-    """The kernels' two weight pointers for launch cfg's `gate_up`: (w1, w2), or for "one" the interleaved
-    w12 [n, 2H, W] twice (rows 2j, 2j + 1 = w1[j], w2[j]); and whether it is "one"."""
-    if cfg["gate_up"] not in GATE_UP:
-        raise ValueError(f"launch gate_up={cfg['gate_up']!r}; valid: {', '.join(GATE_UP)}")
-    if cfg["gate_up"] == "two":
-        return w1, w2, False
-    w12 = torch.stack([w1, w2], 2).reshape(w1.shape[0], 2 * w1.shape[1], w1.shape[2])
-    return w12, w12, True
-
-
 def glu_fwd(xs: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: float, b2: float, situ: bool,
             block: dict | None = None) -> Tensor:
     """xs [M, W] sorted by expert, counts [n], w1 and w2 [n, H, W], w3 [n, W, H] (all in xs's dtype) ->
-    y [M, W]. block: BM, BN, BK, num_warps, num_stages and gate_up in place of ``LAUNCH["fwd"]``."""
+    y [M, W]. block: BM, BN, BK, num_warps and num_stages in place of ``LAUNCH["fwd"]``."""
     cfg = LAUNCH["fwd"] if block is None else block
     xs, w1, w2 = xs.contiguous(), w1.contiguous(), w2.contiguous()
     (M, W), H = xs.shape, w1.shape[1]
-    wa, wb, one = _gate_up_weights(w1, w2, cfg)
     h = xs.new_empty(M, H)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
     _glu_fwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
-        xs, wa, wb, h, expert, start, end, H, W, b1, b2, SITU=situ, ONE=one, GPU=xs.is_cuda, BM=cfg["BM"],
-        BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        xs, w1, w2, h, expert, start, end, H, W, b1, b2, SITU=situ, GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"],
+        BK=cfg["BK"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return torch._grouped_mm(h, w3.transpose(-2, -1), offs=_offsets(counts))
 
 
 def glu_bwd(xs: Tensor, dy: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, b1: float, b2: float,
             situ: bool, block: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients (dxs [M, W], dw1, dw2 [n, H, W], dw3 [n, W, H]) of `glu_fwd`'s y for its cotangent dy
-    [M, W]. block: as ``LAUNCH["bwd"]``, with `gate_up` as in the forward and `dh` saying where dh = dy W3[e]
-    comes from: "kernel" (inside ``_glu_bwd``, a third product per tile) or "grouped_mm" (torch._grouped_mm
-    first, [M, H] in xs's dtype, which ``_glu_bwd`` reads in its epilogue)."""
+    [M, W]. block: as ``LAUNCH["bwd"]``, whose `dh` says where dh = dy W3[e] comes from: "kernel" (inside
+    ``_glu_bwd``, three products per tile) or "grouped_mm" (torch._grouped_mm first, [M, H] in xs's dtype,
+    which ``_glu_bwd`` reads in its epilogue beside its two products)."""
     cfg = LAUNCH["bwd"] if block is None else block
     xs, dy, w1, w2, w3 = (t.contiguous() for t in (xs, dy, w1, w2, w3))
     (M, W), H = xs.shape, w1.shape[1]
     if cfg["dh"] not in DH_SOURCES:
         raise ValueError(f"launch dh={cfg['dh']!r}; valid: {', '.join(DH_SOURCES)}")
-    wa, wb, one = _gate_up_weights(w1, w2, cfg)
     h, dgu = xs.new_empty(M, H), xs.new_empty(M, 2 * H)
     offs = _offsets(counts)
     dh = torch._grouped_mm(dy, w3, offs=offs) if cfg["dh"] == "grouped_mm" else xs.new_empty(0)
     expert, start, end = tile_schedule(counts, cfg["BM"], M)
     _glu_bwd[(triton.cdiv(H, cfg["BN"]), expert.numel())](
-        xs, dy, wa, wb, w3, dh, h, dgu, expert, start, end, H, W, b1, b2, SITU=situ, DH_IN=dh.numel() > 0,
-        ONE=one, GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+        xs, dy, w1, w2, w3, dh, h, dgu, expert, start, end, H, W, b1, b2, SITU=situ, DH_IN=dh.numel() > 0,
+        GPU=xs.is_cuda, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     dxs = torch._grouped_mm(dgu, torch.cat([w1, w2], 1), offs=offs)     # [dg du] [W1; W2]
     # dW1 and dW2 from column blocks of dgu (strided views, no copy), each written contiguous: one

@@ -19,11 +19,11 @@ from k3lab.model.ffn import glu_combine
 
 NAMES = ["y", "dx", "dw1", "dw2", "dw3"]
 LIMIT = {"torch.float32": 1e-5, "torch.bfloat16": 2e-2}
-TILE16 = dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1, dh="kernel", gate_up="two")
+TILE16 = dict(BM=16, BN=16, BK=16, num_warps=1, num_stages=1, dh="kernel")
 # name: (counts, width W, hidden H, GLU, dtype, launch or None for LAUNCH). Counts: expert 1 gets nothing,
 # 5 rows fill part of one tile, 17 spill one row into a second, 40 end inside their third; W = H = 40
 # leave a tail of 8 past tiles of 16 in the K loop and the hidden units. dh: where the backward's dy W3[e]
-# comes from (kernels.grouped_glu.glu_bwd); gate_up "one": gate and up from one product over interleaved rows.
+# comes from (kernels.grouped_glu.glu_bwd).
 CASES = {
     "situ_fp32_tile16": ([5, 0, 17, 40], 40, 40, "situ", "float32", TILE16),
     "swiglu_fp32_tile16": ([5, 0, 17, 40], 40, 40, "swiglu", "float32", TILE16),
@@ -32,9 +32,6 @@ CASES = {
     "situ_fp32_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 40, 40, "situ", "float32", dict(TILE16, dh="grouped_mm")),
     "swiglu_bf16_tile16_dh_by_grouped_mm": ([5, 0, 17, 40], 32, 48, "swiglu", "bfloat16",
                                             dict(TILE16, dh="grouped_mm")),
-    "situ_fp32_tile16_one_product": ([5, 0, 17, 40], 40, 40, "situ", "float32", dict(TILE16, gate_up="one")),
-    "swiglu_bf16_tile16_one_product_dh_by_grouped_mm": ([5, 0, 17, 40], 32, 48, "swiglu", "bfloat16",
-                                                        dict(TILE16, dh="grouped_mm", gate_up="one")),
 }
 
 
@@ -188,27 +185,24 @@ def test_moe_with_checkpointed_experts_runs_the_fused_op_on_backend_triton(resul
 
 
 def test_launch_sweep_runs_every_configuration_and_checks_it(results):
-    """benchmarks.moe_bench --tune --small: the forward at each of its 4 launch configurations (two tile widths,
-    gate and up from two products or one), the backward at 8 (dh from the kernel or from torch._grouped_mm
-    too), each within fp32 rounding of the launch table's result."""
+    """benchmarks.moe_bench --tune --small: the forward at each of its 2 launch configurations, the backward at
+    4 (two tile widths, dh from the kernel or from torch._grouped_mm), each within fp32 rounding of the launch
+    table's result."""
     rows = results["tune"]
-    forms = [(bn, form) for bn in (16, 32) for form in ("one", "two")]
-    assert sorted((r["kernel"], r["launch"]["BN"], r["launch"]["gate_up"], r["launch"].get("dh")) for r in rows) == (
-        [("bwd", bn, form, dh) for bn, form in forms for dh in ("grouped_mm", "kernel")]
-        + [("fwd", bn, form, None) for bn, form in forms])
+    assert sorted((r["kernel"], r["launch"]["BN"], r["launch"].get("dh")) for r in rows) == [
+        ("bwd", 16, "grouped_mm"), ("bwd", 16, "kernel"), ("bwd", 32, "grouped_mm"), ("bwd", 32, "kernel"),
+        ("fwd", 16, None), ("fwd", 32, None)]
     assert all(r["max_rel_error"] < 1e-5 for r in rows), rows
     assert results["tune_bwd"] == ["bwd"]  # --tune-kernels bwd: the backward's grid alone
 
 
-def test_unknown_dh_source_or_gate_up_form_is_refused():
+def test_unknown_dh_source_is_refused():
     from kernels.grouped_glu import LAUNCH, glu_bwd
 
     x = torch.zeros(4, 8)
     w = torch.zeros(2, 8, 8)
     with pytest.raises(ValueError, match="launch dh='gemm'; valid: kernel, grouped_mm"):
         glu_bwd(x, x, torch.tensor([1, 3]), w, w, w, 4.0, 25.0, True, dict(LAUNCH["bwd"], dh="gemm"))
-    with pytest.raises(ValueError, match="launch gate_up='three'; valid: two, one"):
-        glu_bwd(x, x, torch.tensor([1, 3]), w, w, w, 4.0, 25.0, True, dict(LAUNCH["bwd"], gate_up="three"))
 
 
 @pytest.mark.parametrize("backend,checkpoint,want", [("auto", True, "loop"), ("torch", True, "loop"),
@@ -245,13 +239,11 @@ def test_tile_schedule_covers_each_segment_once_without_spanning_experts():
 
 def test_tune_grid_leaves_out_oversized_tiles_and_idle_stages():
     """moe_bench's --tune grid at the K3 width: every combination with tiles of at most 128 x 128 and no more
-    stages than the K loop has steps, each with either gate_up form; the backward only with dh from
-    torch._grouped_mm."""
+    stages than the K loop has steps; the backward only with dh from torch._grouped_mm."""
     from benchmarks.moe_bench import K3_WIDTH, TUNE_SPACE, tune_launches
 
     fwd, bwd = (tune_launches(kernel, TUNE_SPACE, K3_WIDTH) for kernel in ("fwd", "bwd"))
-    assert len(fwd) == len(bwd) == 112 and {b["dh"] for b in bwd} == {"grouped_mm"}
-    assert sum(c["gate_up"] == "one" for c in fwd) == sum(c["gate_up"] == "two" for c in bwd) == 56
+    assert len(fwd) == len(bwd) == 56 and {b["dh"] for b in bwd} == {"grouped_mm"}
     assert all(c["BM"] * c["BN"] <= 128 * 128 and c["num_stages"] * c["BK"] <= K3_WIDTH for c in fwd + bwd)
     assert {(c["BK"], c["num_stages"]) for c in fwd} == {(32, 2), (32, 3), (32, 4), (64, 2), (64, 3), (64, 4),
                                                          (128, 2)}
@@ -259,44 +251,37 @@ def test_tune_grid_leaves_out_oversized_tiles_and_idle_stages():
 
 def test_kernel_resources_of_the_launch_table(tmp_path):
     """benchmarks.kernel_resources (the kernels compiled for sm_90 here, without a GPU): every kernel of the
-    launch table, with gate and up from two products or from one over interleaved rows, runs its products on
-    wgmma with pipelined loads and spills no registers, and the one-product form needs no more shared memory
-    than the two; the backward that computes dh itself needs more than the one that reads it (three operand
-    tiles a K step against two); programs per SM follow from the shared memory and the registers; the table
-    goes to --out."""
+    launch table runs its products on wgmma with pipelined loads and spills no registers; the backward that
+    computes dh itself needs more shared memory than the one that reads it (three operand tiles a K step
+    against two); programs per SM follow from the shared memory and the registers; the table goes to --out."""
     pytest.importorskip("triton.backends.nvidia")
     from benchmarks.kernel_resources import SM_REGISTERS, SM_SHARED_KIB, main
 
     rows = main(["--out", str(tmp_path / "resources.md")])
-    assert [(r["kernel"], r["launch"].get("dh"), r["launch"]["gate_up"]) for r in rows] == [
-        ("fwd", None, "two"), ("fwd", None, "one"), ("bwd", "kernel", "two"), ("bwd", "kernel", "one"),
-        ("bwd", "grouped_mm", "two"), ("bwd", "grouped_mm", "one")]
+    assert [(r["kernel"], r["launch"].get("dh")) for r in rows] == [("fwd", None), ("bwd", "kernel"),
+                                                                      ("bwd", "grouped_mm")]
     assert all(r["pipelined"] and r["wgmma"] and r["spilled_bytes"] == 0 for r in rows), rows
-    assert all(one["shared_kib"] <= two["shared_kib"] for two, one in zip(rows[::2], rows[1::2])), rows
-    assert rows[2]["shared_kib"] > rows[4]["shared_kib"] > 0
+    assert rows[1]["shared_kib"] > rows[2]["shared_kib"] > 0
     assert all(0 < r["registers"] <= 255 for r in rows), rows
     by_registers = [SM_REGISTERS // (-(-r["registers"] // 8) * 8 * 32 * r["launch"]["num_warps"]) for r in rows]
     assert [r["programs_per_sm"] for r in rows] == [min(int(SM_SHARED_KIB // r["shared_kib"]), n)
                                                    for r, n in zip(rows, by_registers)]
-    assert (tmp_path / "resources.md").read_text().count("| yes | yes |") == 6
+    assert (tmp_path / "resources.md").read_text().count("| yes | yes |") == 3
 
 
 # --- CUDA ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("glu,dtype,dh,gate_up", [
-    ("situ", "bfloat16", "kernel", "two"), ("swiglu", "bfloat16", "kernel", "two"),
-    ("situ", "bfloat16", "grouped_mm", "two"), ("situ", "float32", "kernel", "two"),
-    ("swiglu", "float32", "grouped_mm", "two"), ("situ", "bfloat16", "grouped_mm", "one"),
-    ("swiglu", "float32", "kernel", "one")])
-def test_cuda_matches_the_float64_reference(glu, dtype, dh, gate_up, monkeypatch):
+@pytest.mark.parametrize("glu,dtype,dh", [("situ", "bfloat16", "kernel"), ("swiglu", "bfloat16", "kernel"),
+                                          ("situ", "bfloat16", "grouped_mm"), ("situ", "float32", "kernel"),
+                                          ("swiglu", "float32", "grouped_mm")])
+def test_cuda_matches_the_float64_reference(glu, dtype, dh, monkeypatch):
     """64 experts, width 256, hidden 1,408 (the K3 default's), 8,192 pairs routed unevenly (one expert
     empty): y and every gradient within LIMIT of the float64 loop, relative (fp32 operands multiply in
-    IEEE fp32, not TF32), with dh = dy W3 from either source and gate and up from either form."""
+    IEEE fp32, not TF32), with dh = dy W3 from either source."""
     from kernels import grouped_glu as gg
 
-    monkeypatch.setitem(gg.LAUNCH, "fwd", dict(gg.LAUNCH["fwd"], gate_up=gate_up))
-    monkeypatch.setitem(gg.LAUNCH, "bwd", dict(gg.LAUNCH["bwd"], dh=dh, gate_up=gate_up))
+    monkeypatch.setitem(gg.LAUNCH, "bwd", dict(gg.LAUNCH["bwd"], dh=dh))
     gen = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.rand(64, generator=gen) + 0.2, 8192, replacement=True, generator=gen)
     counts = torch.bincount(counts, minlength=64)
