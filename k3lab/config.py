@@ -214,7 +214,7 @@ class OptimConfig:
     nesterov: bool = True
     ns_steps: int = 5
     ns_dtype: str = "bf16"       # Newton-Schulz precision: bf16 (Muon, Moonlight) or fp32 (exact comparisons)
-    ns_method: str = "standard"  # standard: iterate on the matrix; gram: on its Gram matrix (same polynomial)
+    ns_method: str = "gram"  # gram: iterate on the Gram matrix; standard: on the matrix itself (same polynomial)
     weight_decay: float = 0.1
     eps: float = 1e-8
     warmup_steps: int = 50
