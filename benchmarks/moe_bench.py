@@ -317,8 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--experts", action="store_true", help="the routed experts alone, three forms (docstring)")
     ap.add_argument("--tune", action="store_true", help="sweep the fused experts' launch table (docstring)")
     ap.add_argument("--tune-kernels", default="fwd,bwd", metavar="K",
-                    help="with --tune: the kernels whose grids run, comma-separated (fwd, bwd): one call each where "
-                         "a device call's time limit cannot hold both")
+                    help="with --tune: the kernels whose grids run, comma-separated (fwd, bwd)")
     ap.add_argument("--routing", action="store_true", help="QB's cutoffs and the expert counts, each form")
     ap.add_argument("--combine", action="store_true", help="the experts' outputs mixed back per token, two forms")
     args = ap.parse_args(argv)

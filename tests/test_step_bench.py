@@ -207,7 +207,6 @@ def test_step_clock_times_from_the_first_named_step_to_the_last(monkeypatch):
 def test_gpu_board_reads_nvidia_smi_and_says_nothing_without_it():
     """The header's board from nvidia-smi's CSV (first GPU: its UUID's start, power limit, top SM clock); ""
     when nvidia-smi is missing, times out or prints no numbers."""
-    import subprocess
     from types import SimpleNamespace
 
     from benchmarks.step import gpu_board
