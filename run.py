@@ -3,7 +3,8 @@
     python run.py                                   # K3 default, tiny model, sotu corpus, CPU
     python run.py decay=softplus glu=swiglu seed=1  # flip switches
     python run.py -m decay=sigmoid,softplus seed=0,1,2 group=decay   # a sweep (one run directory each)
-    python run.py resume=last                       # continue the most recent killed run
+    python run.py resume=last                       # continue the most recent unfinished run
+    python run.py resume=runs/default/decay=softplus,seed=1   # continue that run (a path as k3lab prints it)
     python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
                                                     # completed runs and resumes killed or failed ones
     python run.py trainer=fsdp                      # FSDP2 over every GPU of the node (trainer=ddp: DDP)
@@ -26,7 +27,7 @@ from k3lab.help import register as register_help_page
 def main(cfg: DictConfig) -> dict:
     job = HydraConfig.get()
     with task_errors(single_run=job.mode == RunMode.RUN):
-        check_config(cfg)  # before torch and Lightning are imported: a bad setting fails in a second
+        check_config(cfg, job.overrides.task)  # before torch and Lightning are imported: fails in a second
         from k3lab.parallel import one_job_argv
         from k3lab.train import train
 
@@ -35,6 +36,21 @@ def main(cfg: DictConfig) -> dict:
     return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
 
 
+def quote_paths(argv: list[str]) -> list[str]:
+    """`resume=<run dir>` with the value quoted for Hydra's override grammar: the project's own run names
+    hold `=` and `,` (`runs/default/decay=softplus,seed=1`), which the grammar would read as syntax."""
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key == "resume" and sep and value and value[0] not in "'\"":
+            value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        quoted.append(f"{key}{sep}{value}")
+    return quoted
+
+
 if __name__ == "__main__":
+    import sys
+
+    sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:])]
     register_help_page()
     run_command(main)

@@ -1,16 +1,26 @@
-"""The switches and their options, as analysis sees them: option order with the K3 default first.
+"""The switches and their options as analysis sees them, read from conf/, their one source.
 
-analysis/ reads run directories only and never imports k3lab, so it keeps this copy of
-k3lab/switches.py; tests/test_registry.py fails when the two differ.
+A switch's options are the files of conf/<switch>/, its K3 default the group's entry in the defaults list
+of conf/config.yaml; the options are ordered with the K3 default first and the others by name. analysis/
+never imports k3lab, so it reads conf/ itself; tests/test_registry.py checks that this equals
+k3lab.switches.SWITCHES.
 """
-SWITCH_OPTIONS: dict[str, tuple[str, ...]] = {
-    "decay": ("sigmoid", "softplus"),
-    "glu": ("situ", "swiglu"),
-    "balance": ("qb", "sign", "aux", "none"),
-    "optim": ("muon_per_head", "muon", "adamw"),
-    "residual": ("block_attnres", "full_attnres", "standard"),
-    "moe": ("latent_norm", "latent", "standard", "dense", "dense_matched"),
-    "mixer": ("hybrid", "mla", "kda"),
-}
-SWITCHES: tuple[str, ...] = tuple(SWITCH_OPTIONS)
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+SWITCHES: tuple[str, ...] = ("decay", "glu", "balance", "optim", "residual", "moe", "mixer")
+
+
+def _options() -> dict[str, tuple[str, ...]]:
+    entries = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+    default = {k: v for e in entries if isinstance(e, dict) for k, v in e.items()}
+    return {s: tuple(sorted((f.stem for f in (CONF / s).glob("*.yaml")), key=lambda o: (o != default[s], o)))
+            for s in SWITCHES}
+
+
+SWITCH_OPTIONS: dict[str, tuple[str, ...]] = _options()
 K3_DEFAULT: dict[str, str] = {switch: options[0] for switch, options in SWITCH_OPTIONS.items()}

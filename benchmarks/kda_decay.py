@@ -21,7 +21,7 @@ import shlex
 import torch
 
 from benchmarks.step import compose_config, device_of, precision_of, training_batches, training_step
-from k3lab.config import OptimConfig, model_config, typed
+from k3lab.config import OptimConfig, run_config
 from k3lab.model import K3Model
 from k3lab.model.kda import KDA
 from k3lab.optim import build_optimizer
@@ -67,11 +67,11 @@ def main(argv=None) -> str:
     torch.manual_seed(cfg.seed)
     dm, batches = training_batches(cfg, args.steps + 1, device)
     dtype, autocast = precision_of(cfg, device)
-    model = K3Model(model_config(cfg, dm.vocab_size)).to(device=device, dtype=dtype)
+    model = K3Model(run_config(cfg).model_config(dm.vocab_size)).to(device=device, dtype=dtype)
     layers = [m for m in model.modules() if isinstance(m, KDA)]
     if not layers:
         p.error("the model has no KDA layer (mixer=mla?)")
-    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+    optim_cfg: OptimConfig = run_config(cfg).optim
     opt, sched = build_optimizer(model, optim_cfg, total_steps=args.steps)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
     decays: list[torch.Tensor] = []

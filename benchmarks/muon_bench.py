@@ -42,7 +42,7 @@ import shlex
 import torch
 
 from benchmarks.step import compose_config, device_of, precision_of, split_variants, timed
-from k3lab.config import OptimConfig, model_config, typed
+from k3lab.config import run_config
 from k3lab.lit import peak_flops
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
@@ -102,10 +102,10 @@ def measure(cfg, warmup: int, steps: int) -> dict:
     device = device_of(cfg)
     dtype, _ = precision_of(cfg, device)
     torch.manual_seed(cfg.seed)
-    model = K3Model(model_config(cfg, cfg.data.vocab_size)).to(device=device, dtype=dtype)
+    model = K3Model(run_config(cfg).model_config(cfg.data.vocab_size)).to(device=device, dtype=dtype)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    opt, _ = build_optimizer(model, typed(OptimConfig, cfg.optim), total_steps=warmup + steps)
+    opt, _ = build_optimizer(model, run_config(cfg).optim, total_steps=warmup + steps)
     parts, shapes, moved = muon_parts(opt)
     with torch.no_grad():  # as in Muon.step
         ms = {name: 1e3 * timed(fn, warmup, steps, device) for name, fn in parts.items()}

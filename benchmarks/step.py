@@ -10,7 +10,7 @@ several override sets in this one process, each on top of the positional ones, o
 and path: sets are separated by commas outside brackets and quotes, the overrides of a set by spaces (an
 empty set, or none given, is the positional overrides alone). For each variant:
 
-- bare: the model and optimizer from the project's builders (K3Model from model_config, build_optimizer),
+- bare: the model and optimizer from the project's builders (K3Model from RunConfig.model_config, build_optimizer),
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
   torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile() when train.compile says so
@@ -75,7 +75,7 @@ import torch._dynamo
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from k3lab.config import DataConfig, ModelConfig, OptimConfig, compile_mode, model_config, typed
+from k3lab.config import ModelConfig, OptimConfig, compile_mode, run_config
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
 from k3lab.lit import clip_grad_norm, peak_flops
@@ -178,7 +178,7 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> float:
 
 def training_batches(cfg: DictConfig, n: int, device: torch.device) -> tuple[K3DataModule, list]:
     """The data module and the training batches (x, y) [B, T] of steps 0..n-1, on the device."""
-    dm = K3DataModule(typed(DataConfig, cfg.data), seed=cfg.seed)
+    dm = K3DataModule(run_config(cfg).data, seed=cfg.seed)
     dm.prepare_data()
     dm.setup("fit")
     return dm, [tuple(t.to(device) for t in dm.train_batch(s)) for s in range(n)]
@@ -231,10 +231,10 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     torch._dynamo.utils.counters.clear()
     dm, batches = training_batches(cfg, warmup + steps + profile + saved, device)
     dtype, autocast = precision_of(cfg, device)
-    model = K3Model(model_config(cfg, dm.vocab_size)).to(device=device, dtype=dtype)
+    model = K3Model(run_config(cfg).model_config(dm.vocab_size)).to(device=device, dtype=dtype)
     fpt = flops_per_token(model, cfg.data.seq_len)
-    compile_model(model, cfg)
-    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+    compile_model(model, run_config(cfg))
+    optim_cfg: OptimConfig = run_config(cfg).optim
     opt, sched = build_optimizer(model, optim_cfg, total_steps=warmup + steps)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
     it = iter(batches)
@@ -243,7 +243,7 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
         training_step(model, opt, sched, clip, autocast, *next(it))
 
     seconds = timed(step, warmup, steps, device)
-    if compile_mode(cfg):
+    if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / bare: {compiled_graphs()}", flush=True)
     row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device),
               state_mb(model, opt))
@@ -508,7 +508,7 @@ def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp
     clock = StepClock(warmup, warmup + steps, device)
     probe = ProfileSteps(warmup + steps, profile, device)
     summary = train(cfg, overrides=[*overrides, *run], callbacks=[clock, probe] if profile else [clock])
-    if compile_mode(cfg):
+    if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / trainer: {compiled_graphs()}", flush=True)
     if profile:
         print(f"Profile of {profile} trainer steps, {variant or '(overrides only)'}:\n{probe.table}", flush=True)
@@ -519,7 +519,7 @@ def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp
 
 def fla_config(cfg: DictConfig, vocab_size: int) -> dict:
     """The KDAConfig arguments of fla's model at this config (see the module docstring)."""
-    mc: ModelConfig = model_config(cfg, vocab_size)
+    mc: ModelConfig = run_config(cfg).model_config(vocab_size)
     attn_layers = [i for i, kind in enumerate(mc.layer_kinds()) if kind == "mla"]
     sigmoid = mc.decay.name == "sigmoid"
     attnres = None if mc.residual.name == "standard" else mc.residual.sublayers_per_block(2 * mc.n_layers)
@@ -539,7 +539,7 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
     reset_peak(device)
     torch.manual_seed(cfg.seed)
     dm, batches = training_batches(cfg, warmup + steps, device)
-    mc: ModelConfig = model_config(cfg, dm.vocab_size)
+    mc: ModelConfig = run_config(cfg).model_config(dm.vocab_size)
     config = KDAConfig(**fla_config(cfg, dm.vocab_size))
     try:
         model = KDAForCausalLM(config).to(device=device, dtype=torch.bfloat16)
@@ -550,7 +550,7 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
     embed = model.get_input_embeddings().weight
     matmul = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and p is not embed)
     fpt = 6.0 * matmul + mixing_flops_per_token(mc, cfg.data.seq_len)
-    optim_cfg: OptimConfig = typed(OptimConfig, cfg.optim)
+    optim_cfg: OptimConfig = run_config(cfg).optim
     opt = torch.optim.AdamW(model.parameters(), lr=optim_cfg.adam_lr, betas=tuple(optim_cfg.betas),
                             eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, fused=True)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")

@@ -19,8 +19,7 @@ import math
 from fractions import Fraction
 from typing import NamedTuple
 
-from omegaconf import DictConfig
-
+from k3lab.config import TrainConfig
 from k3lab.errors import ConfigError
 
 LENGTH_KEYS = ("max_steps", "tokens_per_param", "flop_budget")
@@ -32,17 +31,17 @@ class RunLength(NamedTuple):
     set_by: str
 
 
-def length_key(train: DictConfig) -> str:
+def length_key(train: TrainConfig) -> str:
     """Which key decides the run length; raises one ConfigError naming the keys when more than one is set
     or a value is not positive."""
-    given = [k for k in LENGTH_KEYS if train.get(k) is not None]
+    given = [k for k in LENGTH_KEYS if getattr(train, k) is not None]
     if len(given) > 1:
-        values = " ".join(f"train.{k}={train[k]}" for k in given)
+        values = " ".join(f"train.{k}={getattr(train, k)}" for k in given)
         raise ConfigError(f"{values}: the run length is set by at most one of train.max_steps, "
                          f"train.tokens_per_param and train.flop_budget (a preset such as debug=fast_dev_run "
                          f"sets train.max_steps); drop all but one")
     key = given[0] if given else "default_steps"
-    value = train.get(key)
+    value = getattr(train, key)
     integer = key in ("max_steps", "default_steps")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)) \
             or value <= 0:
@@ -51,7 +50,7 @@ def length_key(train: DictConfig) -> str:
     return key
 
 
-def run_length(train: DictConfig, params_active_non_embedding: int, flops_per_token: float,
+def run_length(train: TrainConfig, params_active_non_embedding: int, flops_per_token: float,
                tokens_per_step: int) -> RunLength:
     """The number of optimizer steps the run trains (module docstring), from the model's counts."""
     key = length_key(train)
@@ -61,5 +60,5 @@ def run_length(train: DictConfig, params_active_non_embedding: int, flops_per_to
     elif key == "flop_budget":
         steps = math.ceil(Fraction(str(train.flop_budget)) / (Fraction(flops_per_token) * tokens_per_step))
     else:
-        steps = int(train[key])
+        steps = int(getattr(train, key))
     return RunLength(steps, key)

@@ -86,6 +86,10 @@ def not_a_key(key: str, keys: Iterable[str]) -> str:
             where = ".".join(fixed)
             if where and names:
                 return f"{key} is not a key; the keys of {where}: {', '.join(names)}"
+            nested = {k.rsplit(".", 1)[-1]: k for k in sorted(keys, key=len, reverse=True)}  # leaf -> its shortest key
+            leaf = did_you_mean(key.rsplit(".", 1)[-1], nested)
+            if leaf is not None:
+                return f"{key} is not a key; did you mean {nested[leaf]}?"
             return f"{key} is not a key (python run.py --cfg job prints every key)"
         fixed.append(guess)
     return f"{key} is not a key; did you mean {'.'.join(fixed)}?"
@@ -111,17 +115,20 @@ def composition_message(err: BaseException) -> str | None:
     """One line for an error Hydra raises while composing the config from the command line, or None
     when `err` is not one (then it is reported as any other exception)."""
     from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options is not None:
         group, _, option = err.missing_cfg_file.rpartition("/")
         return not_an_option(group, option, sorted(err.options), quote=False)
     cause = err.__cause__
-    if (isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and "not in struct" in str(cause)
-            and cause.parent_node is not None):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.parent_node is not None:
         named = re.match(r"Could not override '([^']+)'", str(err))
         key = named.group(1) if named else str(cause.full_key)
         return not_a_key(key, dotted_keys(cause.parent_node._get_root()))
+    if isinstance(cause, ValidationError) and cause.full_key:  # a value of the wrong type for its schema field
+        from k3lab.config import wrong_value
+
+        return wrong_value(str(cause.full_key), cause.value)
     if isinstance(err, OverrideParseException):
         reason = str(err.message).splitlines()[0]
         return f"cannot read the override {err.override!r}: {reason} (grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)"

@@ -1,10 +1,9 @@
 """`python run.py --help` (also `python -m k3lab.help`): the three commands a newcomer needs, then every
 config group with what it does, its options and its default.
 
-Nothing here is a fact of its own: the switches, their options, K3 defaults and descriptions come from
-k3lab/switches.py (SWITCHES), the other groups' descriptions from its GROUPS, their options from the
-files of conf/<group>/ and their defaults from the defaults list of conf/config.yaml. run.py registers
-`register()`'s resolver, which conf/config.yaml's `hydra.help.template` calls.
+Nothing here is a fact of its own: the switches, their descriptions and the other groups' come from
+k3lab/switches.py (SWITCHES, GROUPS), every group's options and default from conf/ (conf_options,
+conf_defaults). run.py registers `register()`'s resolver, which conf/config.yaml's `hydra.help.template` calls.
 """
 from __future__ import annotations
 
@@ -13,36 +12,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from k3lab.switches import GROUPS, SWITCHES
+from k3lab.switches import CONF, GROUPS, SWITCHES, conf_defaults, conf_options
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 WIDTH = 100
 
 COMMANDS = [
     ("python run.py", "train the K3 default (every K3 option on, tiny model, State of the Union text, CPU)"),
     ("python run.py -m sweep=ablate_decay", "a sweep from sweeps/ (each option x 3 seeds); the same command "
                                             "again skips completed runs and resumes killed ones"),
-    ("python run.py resume=last", "continue the most recently killed run from its last checkpoint"),
+    ("python run.py resume=last", "continue the most recent unfinished run from its last checkpoint; resume=<run "
+                                  "dir> continues that one, written as k3lab prints it (= and , need no quotes)"),
 ]
-
-
-def group_defaults(conf: Path = CONF) -> dict[str, str | None]:
-    """{group: default option or None} from the defaults list of conf/config.yaml (Hydra's own groups left out)."""
-    defaults = {}
-    for entry in OmegaConf.to_container(OmegaConf.load(conf / "config.yaml"))["defaults"]:
-        if isinstance(entry, dict):
-            for key, value in entry.items():
-                if not key.startswith("override "):
-                    defaults[key] = value
-    return defaults
-
-
-def group_options(group: str, default: str | None, conf: Path = CONF) -> list[str]:
-    """The options of a group: its switch order for a switch, else the files of conf/<group>/, the default
-    first and the others by name."""
-    if group in SWITCHES:
-        return list(SWITCHES[group].options)
-    return sorted((f.stem for f in (conf / group).glob("*.yaml")), key=lambda o: (o != default, o))
 
 
 def _entry(group: str, options: list[str], default: str | None, what: str, indent: int) -> str:
@@ -58,7 +38,7 @@ def _entry(group: str, options: list[str], default: str | None, what: str, inden
 
 def help_text(conf: Path = CONF) -> str:
     """The whole help page, as plain text."""
-    defaults = group_defaults(conf)
+    defaults = conf_defaults(conf)
     others = [g for g in defaults if g not in SWITCHES]
     indent = 2 + max(len(g) for g in [*SWITCHES, *others]) + 2
     command_width = max(len(c) for c, _ in COMMANDS) + 3
@@ -72,7 +52,7 @@ def help_text(conf: Path = CONF) -> str:
     out += ["", "Switches: group=option, one K3 innovation each (* marks the K3 default)"]
     out += [_entry(name, list(s.options), s.options[0], s.what, indent) for name, s in SWITCHES.items()]
     out += ["", "Other groups (* marks the default)"]
-    out += [_entry(g, group_options(g, defaults[g], conf), defaults[g], GROUPS[g], indent) for g in others]
+    out += [_entry(g, list(conf_options(g, conf)), defaults[g], GROUPS[g], indent) for g in others]
     out += ["", "Settings",
             "  Any key of the config, e.g.  python run.py train.max_steps=500 data.batch_size=32 seed=1",
             "  python run.py --cfg job prints every key with its value. A bad key, option or value fails at once",

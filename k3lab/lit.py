@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -54,8 +55,8 @@ class NonFiniteLossError(UserError, RuntimeError):
     """The loss stopped being finite; the message gives the step and what to change (printed as one line)."""
 
 
-def check_finite(loss: torch.Tensor, step: int, reduce,
-                 grad_norm: torch.Tensor | None = None) -> tuple[list[float], list[float]]:
+def check_finite(loss: torch.Tensor, step: int, reduce, grad_norm: torch.Tensor | None = None,
+                 checkpoint_kept: bool = True) -> tuple[list[float], list[float]]:
     """Read the training losses of the W steps ending at `step`, and stop every rank if one is not finite.
 
     loss [W] (or 0-dim: W = 1): this rank's losses of steps step-W+1 .. step, a step numbered by the
@@ -64,7 +65,8 @@ def check_finite(loss: torch.Tensor, step: int, reduce,
     all-reduce (sum) of the losses and their non-finite flags under DDP, the identity on one device; then
     one copy to the host. Every rank reads the same sums, so all raise NonFiniteLossError together (none is
     left waiting in the next collective), naming the first step whose loss was not finite on some rank, or
-    whose gradient norm was not. Returns the losses summed over ranks and the gradient norms (empty without
+    whose gradient norm was not; the message says whether a checkpoint of earlier steps is kept
+    (`checkpoint_kept`). Returns the losses summed over ranks and the gradient norms (empty without
     grad_norm), one per step, as floats.
     """
     loss = loss.detach().reshape(-1).double()
@@ -73,7 +75,8 @@ def check_finite(loss: torch.Tensor, step: int, reduce,
     values = torch.cat([reduced.reshape(-1), norms]).tolist()
     W = loss.numel()
     sums, n_bad, norms = values[:W], values[W:2 * W], values[2 * W:]
-    keep = "The last good checkpoint is kept in checkpoints/last.ckpt (lower optim.lr or check the data)"
+    keep = ("The last good checkpoint is kept in checkpoints/last.ckpt" if checkpoint_kept else
+            "No checkpoint was written before it") + " (lower optim.lr or check the data)"
     for i in range(W):
         at = step - W + 1 + i
         if n_bad[i] > 0:
@@ -178,11 +181,17 @@ class K3LitModule(L.LightningModule):
         """check_finite on the window, whose last step is `last_step` (0-based); adds its losses to the log's."""
         window = torch.stack(self._window)  # [W, 2]
         self._window = []
-        sums, norms = check_finite(window[:, 0], last_step, self.trainer.strategy.reduce, window[:, 1])
+        sums, norms = check_finite(window[:, 0], last_step, self.trainer.strategy.reduce, window[:, 1],
+                                   checkpoint_kept=self.checkpoint_written())
         self._loss_sum += sum(sums)
         self._loss_count += len(sums) * self.trainer.world_size
         self._grad_norm = norms[-1]
         self.last_train_loss = self._loss_sum / self._loss_count
+
+    def checkpoint_written(self) -> bool:
+        """Whether the run directory holds a checkpoint (what a stopped run's message can promise)."""
+        callback = self.trainer.checkpoint_callback
+        return callback is not None and callback.dirpath is not None and (Path(callback.dirpath) / "last.ckpt").exists()
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)

@@ -165,7 +165,25 @@ def git_revision() -> str | None:
         return None
 
 
+def cpu_threads(threads: int | None, processes: int = 1) -> int:
+    """CPU threads for one training process: `threads` (trainer.threads) when set, else the cores this
+    process may use (its affinity, shared among the run's `processes` on the machine) less what the rest of
+    the machine keeps busy (the 1-minute load average), at least 1. On a 2-core machine a run's intra-op
+    threads that wait for a core held by other work stall every op (OpenMP's barriers spin), so a busy
+    machine gets fewer threads (docs/default_run.md has the measurement)."""
+    if threads:
+        return threads
+    cores = max(1, len(os.sched_getaffinity(0)) // max(1, processes))
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
+def cpu_load() -> float:
+    """The machine's 1-minute load average: runnable processes, averaged."""
+    return os.getloadavg()[0]
+
+
 def environment() -> dict[str, Any]:
+    """Where the run trains: versions, git revision, device and its threads."""
     import lightning
 
     if torch.cuda.is_available():
@@ -178,10 +196,22 @@ def environment() -> dict[str, Any]:
                      "lightning": lightning.__version__},
         "device": device,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # as the launcher set it (joblib, SLURM)
-        # other runs trained on the same GPU at the same time (DEVICE_SHARED_ENV set by whoever started them
-        # so: k3lab.sweep.DevicePerJob, a study's slice script): tokens/s is then not the config's own
-        "device_shared": os.environ.get(DEVICE_SHARED_ENV) == "1",
+        "threads": torch.get_num_threads(),
     }
+
+
+def device_sharing(load_start: float, threads: int) -> dict[str, Any]:
+    """Whether the run shared its device, so that its tokens/s is not the config's own. A GPU is shared when
+    whoever started the run says so (DEVICE_SHARED_ENV: k3lab.sweep.DevicePerJob, a study's slice script); a
+    CPU when the rest of the machine kept at least half a core busy at the run's start or now (the 1-minute
+    load average, less this run's own `threads` now that it has run for a while)."""
+    load_now = cpu_load()
+    said = os.environ.get(DEVICE_SHARED_ENV) == "1"
+    if torch.cuda.is_available():
+        return {"device_shared": said}
+    others = max(load_start, load_now - threads)
+    return {"cpu_load": {"start": round(load_start, 2), "now": round(load_now, 2)},
+            "device_shared": said or others >= 0.5}
 
 
 def now_iso() -> str:
@@ -224,16 +254,66 @@ def default_run_name(overrides: list[str], max_len: int = 120) -> str:
     return name
 
 
-def find_resume_dir(cfg: DictConfig) -> Path:
-    if cfg.resume == "last":
-        candidates = sorted(Path(cfg.out_dir).glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise ConfigError(f"resume=last: no checkpoints/last.ckpt under {Path(cfg.out_dir).resolve()}")
-        return candidates[-1].parent.parent
-    run_dir = Path(cfg.resume)
+def find_resume_dir(out_dir: str, resume: str) -> Path:
+    """The run directory `resume` names: a path (as the project prints them), or `last`, the unfinished run
+    (a checkpoint, and summary.json not `completed`) under out_dir whose checkpoint is the newest."""
+    if resume == "last":
+        unfinished = [p.parent.parent for p in Path(out_dir).glob("**/checkpoints/last.ckpt")
+                      if read_summary(p.parent.parent).get("status") != "completed"]
+        if not unfinished:
+            raise ConfigError(f"resume=last: no unfinished run (a checkpoint, and not completed) under "
+                              f"{Path(out_dir).resolve()}")
+        return max(unfinished, key=lambda d: (d / "checkpoints" / "last.ckpt").stat().st_mtime)
+    run_dir = Path(resume.rstrip("/")).expanduser()
     if not (run_dir / "checkpoints" / "last.ckpt").exists():
-        raise ConfigError(f"resume={cfg.resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
+        raise ConfigError(f"resume={resume}: no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
     return run_dir
+
+
+# The keys that do not change what a run computes: where and under which name it is written, how it was
+# started, its mirrors, its kernels and device layout, caches and workers. Any other difference between a
+# run directory's config.yaml and the command run again makes it another run (config_changes).
+IDENTITY_FREE = ("run_name", "group", "out_dir", "resume", "overwrite", "kernels", "logger", "trainer.accelerator",
+                 "trainer.devices", "trainer.strategy", "trainer.num_nodes", "data.cache_dir", "data.num_workers",
+                 "train.preempt_signal", "train.compile", "train.compile_backend")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config container as {dotted key: value}, lists kept whole."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
+
+
+def _identity(cfg: DictConfig | dict) -> dict[str, Any]:
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    return {k: v for k, v in _flat(container).items() if not any(k == f or k.startswith(f + ".") for f in IDENTITY_FREE)}
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """A short hash of what the run computes: its resolved config less IDENTITY_FREE."""
+    return hashlib.sha256(json.dumps(_identity(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_changes(saved: DictConfig, cfg: DictConfig) -> list[str]:
+    """What differs between a run directory's config.yaml and the config of the command run again, as
+    `optim.lr: 0.006 -> 0.003`. A key the saved config lacks (added to the schema since it was written)
+    counts only when its new value is not the schema's default."""
+    from k3lab.config import RunConfig
+
+    old, new = _identity(saved), _identity(cfg)
+    default = _identity(OmegaConf.structured(RunConfig))
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        if key not in old and new[key] == default.get(key, object()):
+            continue
+        before, after = old.get(key, "(absent)"), new.get(key, "(not a key)")
+        if before != after:
+            changes.append(f"{key}: {before} -> {after}")
+    return changes
 
 
 class RunDirBusy(UserError, RuntimeError):
@@ -247,6 +327,8 @@ class RunPlan(NamedTuple):
     ckpt_path: Path | None   # resume from this checkpoint, or None to start from step 0
     action: str              # "new" | "resume" | "restart" (a failed or dead run with no checkpoint) | "skip"
     previous: dict           # the summary.json found in the directory ({} if none)
+    fingerprint: str = ""    # config_fingerprint of the config it trains
+    reason: str = ""         # a line for the user: why it skips, or that the code changed since the run began
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -304,6 +386,26 @@ def _decide(overwrite: bool, previous: dict, has_checkpoint: bool) -> str:
     return "restart" if previous else "new"
 
 
+def _code_note(previous: dict) -> str:
+    """' (trained at abc123; the code is now def456)' when the run's git revision is not the current one."""
+    then, now = previous.get("git_rev"), git_revision()
+    return f" (trained at {then}; the code is now {now})" if then and now and then != now else ""
+
+
+def _refuse_changed(run_dir: Path, saved: DictConfig, cfg: DictConfig, previous: dict) -> None:
+    """ConfigChanged when the command's config is not the one the directory was trained with."""
+    changes = config_changes(saved, cfg)
+    if changes:
+        shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+        status = previous.get("status", "started")
+        raise ConfigChanged(f"{run_dir} holds a {status} run of another config ({shown}): add overwrite=true to "
+                            f"train it again from scratch, or run_name=<new name> to keep both")
+
+
+class ConfigChanged(UserError):
+    """The same command meets a run directory whose config.yaml differs from the command's config."""
+
+
 def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     """Decide how this run starts, from what its directory holds, so the same command can be run again:
 
@@ -312,46 +414,60 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
         a checkpoint (killed, failed, running)  resume    continue from checkpoints/last.ckpt
         failed or dead before any checkpoint    restart   start at step 0 again
 
-    `resume=<dir>` or `resume=last` names the directory instead and requires a checkpoint. A directory
-    whose lock a live process holds raises RunDirBusy. The decision is taken while holding the lock, from
-    what the directory holds then (a process that held it may have completed the run meanwhile); only a
-    run already completed is skipped without the lock, since another live process may still hold it
-    (a sweep keeps its runs' locks until it exits). Under DDP every rank takes the same decision from the
-    same files; only rank 0 locks and writes. Temporary files that killed writers left behind are removed."""
+    A directory whose config.yaml differs from this config (config_changes: any key but IDENTITY_FREE) is
+    neither skipped nor resumed: ConfigChanged names the keys and what to do. A directory trained at another
+    git revision is skipped or resumed with a line that says so (`reason`). `resume=<dir>` or `resume=last`
+    names the directory instead and continues it with its own config.yaml; a completed one is left as it is
+    (skip). A directory whose lock a live process holds raises RunDirBusy. The decision is taken while
+    holding the lock, from what the directory holds then (a process that held it may have completed the run
+    meanwhile); only a run already completed is skipped without the lock, since another live process may
+    still hold it (a sweep keeps its runs' locks until it exits). Under DDP every rank takes the same
+    decision from the same files; only rank 0 locks and writes. Temporary files that killed writers left
+    behind are removed."""
     if cfg.resume:
-        run_dir = find_resume_dir(cfg)
+        run_dir = find_resume_dir(str(cfg.out_dir), str(cfg.resume))
+        saved, previous = OmegaConf.load(run_dir / "config.yaml"), read_summary(run_dir)
+        if previous.get("status") == "completed":
+            return RunPlan(saved, run_dir, None, "skip", previous, config_fingerprint(saved),
+                           f"completed already ({previous.get('steps')} steps), nothing to resume")
         if rank_zero_only.rank == 0:
             lock_run_dir(run_dir)
             _remove_stale_temps(run_dir)
-        saved = OmegaConf.load(run_dir / "config.yaml")
-        return RunPlan(saved, run_dir, run_dir / "checkpoints" / "last.ckpt", "resume", read_summary(run_dir))
+        return RunPlan(saved, run_dir, run_dir / "checkpoints" / "last.ckpt", "resume", previous,
+                       config_fingerprint(saved), _code_note(previous).strip(" ()"))
     run_dir = Path(str(cfg.out_dir)) / str(cfg.group) / str(cfg.run_name or default_run_name(overrides))
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     previous = read_summary(run_dir)
+    fingerprint = config_fingerprint(cfg)
+    saved_path = run_dir / "config.yaml"
+    if not cfg.overwrite and saved_path.exists() and (previous.get("status") == "completed" or ckpt.exists()):
+        _refuse_changed(run_dir, OmegaConf.load(saved_path), cfg, previous)
     if rank_zero_only.rank != 0:  # a DDP worker that Lightning started from this script: rank 0 owns the directory
         action = _decide(cfg.overwrite, previous, ckpt.exists())
         if action == "resume":
-            return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
-        return RunPlan(OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None, action, previous)
+            return RunPlan(OmegaConf.load(saved_path), run_dir, ckpt, action, previous, fingerprint)
+        return RunPlan(OmegaConf.merge(cfg, {"run_name": run_dir.name}), run_dir, None, action, previous, fingerprint)
+    skipped = f"completed already{_code_note(previous)}, skipped (overwrite=true trains it again)"
     if not cfg.overwrite and previous.get("status") == "completed":
-        return RunPlan(cfg, run_dir, None, "skip", previous)
+        return RunPlan(cfg, run_dir, None, "skip", previous, fingerprint, skipped)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock_run_dir(run_dir)
     previous = read_summary(run_dir)
     action = _decide(cfg.overwrite, previous, ckpt.exists())
     if action == "skip":
         unlock_run_dir(run_dir)
-        return RunPlan(cfg, run_dir, None, action, previous)
+        return RunPlan(cfg, run_dir, None, action, previous, fingerprint, skipped)
     _remove_stale_temps(run_dir)
     if action == "resume":
-        return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
+        return RunPlan(OmegaConf.load(saved_path), run_dir, ckpt, action, previous, fingerprint,
+                       _code_note(previous).strip(" ()"))
     remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
     for name in ("summary.json", "metrics.jsonl", "metrics.csv"):
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    OmegaConf.save(cfg, saved_path, resolve=True)
     OmegaConf.save(OmegaConf.create(list(overrides)), run_dir / "overrides.yaml")
-    return RunPlan(cfg, run_dir, None, action, previous)
+    return RunPlan(cfg, run_dir, None, action, previous, fingerprint)
 
 
 def _remove_stale_temps(run_dir: Path) -> None:

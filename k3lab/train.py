@@ -13,11 +13,13 @@ run needs to be analysed or resumed in its run directory (docs/run_directory.md)
     trainer         Lightning, with the checkpoint callback, the progress display and the preemption
                     checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
 
-Before any of it, `check_config` types every group and checks the paths and packages the run needs,
-so a bad setting fails in a second with one line and leaves nothing on disk (k3lab/errors.py).
+Before any of it, `check_config` types the composed config once (k3lab.config.RunConfig) and checks it,
+so a bad setting fails in a second with one line and leaves nothing on disk (k3lab/errors.py); every part
+below receives its typed section of that RunConfig.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import statistics
@@ -34,11 +36,10 @@ from torch import nn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from k3lab.budget import run_length
-from k3lab.config import (DataConfig, LoggerConfig, OptimConfig, TrainConfig, TrainerConfig, check_config, compile_mode,
-                          model_config, typed)
+from k3lab.config import RunConfig, TrainerConfig, check_config, compile_mode
 from k3lab.data import K3DataModule
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
@@ -48,8 +49,8 @@ from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
 from k3lab.progress import print_final, print_run_header, progress_callback
-from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, environment,
-                          prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
+from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, cpu_load,
+                          cpu_threads, device_sharing, environment, prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
 from k3lab.switches import SWITCHES
 
 
@@ -59,19 +60,22 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     run completed and did nothing: see prepare_run_dir). A bad setting raises ConfigError before anything
     is written (check_config); any failure after the directory exists is recorded there as `failed`."""
     quiet_lightning()
-    check_config(cfg)
-    if cfg.train.get("preempt_signal"):
-        signal_number(cfg.train.preempt_signal)
+    run = check_config(cfg, overrides)
+    if run.train.preempt_signal:
+        signal_number(run.train.preempt_signal)
     plan = prepare_run_dir(cfg, list(overrides))
     if plan.action == "skip":
-        rank_zero_only(print)(f"{plan.run_dir}: completed already, skipped (overwrite=true trains it again)")
+        rank_zero_only(print)(f"{plan.run_dir}: {plan.reason}")
         return {**plan.previous, "outcome": "skip"}
-    cfg, run_dir, ckpt_path = plan.cfg, plan.run_dir, plan.ckpt_path
+    run_dir, ckpt_path = plan.run_dir, plan.ckpt_path
+    if plan.reason:
+        rank_zero_only(print)(f"{run_dir}: {plan.reason}")
     if plan.action == "resume":
-        check_config(cfg)  # the run's own config.yaml: its data may have moved since
-    fields = {"run_name": run_dir.name, "group": cfg.group, "seed": cfg.seed,
-              "switches": {s: cfg[s].name for s in SWITCHES}, "model": cfg.model.name,
-              "data": cfg.data.name, "kernels": cfg.kernels.backend, "outcome": plan.action}
+        run = check_config(plan.cfg)  # the run's own config.yaml: its data may have moved since
+    fields = {"run_name": run_dir.name, "group": run.group, "seed": run.seed,
+              "switches": {s: getattr(run, s).name for s in SWITCHES}, "model": run.model.name,
+              "data": run.data.name, "kernels": run.kernels.backend, "outcome": plan.action,
+              "config_fingerprint": plan.fingerprint}
     try:
         start_step = checkpoint_step(ckpt_path) if ckpt_path else 0
     except UnreadableCheckpoint as err:
@@ -83,46 +87,48 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     known: dict = {}  # what final_fields needs, filled in as the parts are built
     loggers: list = []
     job = JobProcesses()  # the worker processes and process group of this run end with it
-    preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", cfg.train.get("preempt_signal"),
-                                      cfg.train.log_every)
+    preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", run.train.preempt_signal,
+                                      run.train.log_every)
     preemption.install()
     try:
         if ckpt_path:
             rank_zero_only(print)(f"resuming {run_dir} from step {start_step}"
                                   + (f" (it had {plan.previous['status']})" if plan.previous.get("status") else ""))
-        L.seed_everything(cfg.seed, workers=True, verbose=False)
-        data_cfg: DataConfig = typed(DataConfig, cfg.data)
+        load_start = cpu_load()
+        torch.set_num_threads(cpu_threads(run.trainer.threads, n_processes(run.trainer)))
+        L.seed_everything(run.seed, workers=True, verbose=False)
         with reading_data():
-            datamodule = K3DataModule(data_cfg, seed=cfg.seed)
+            datamodule = K3DataModule(run.data, seed=run.seed)
             datamodule.prepare_data()
             datamodule.setup("fit")
 
-        model = K3Model(model_config(cfg, datamodule.vocab_size))
-        compile_model(model, cfg)
-        tokens_per_step = data_cfg.batch_size * data_cfg.seq_len * n_processes(cfg.trainer) * cfg.trainer.num_nodes
-        fpt = flops_per_token(model, data_cfg.seq_len)
+        model = K3Model(run.model_config(datamodule.vocab_size))
+        compile_model(model, run)
+        tokens_per_step = run.data.batch_size * run.data.seq_len * n_processes(run.trainer) * run.trainer.num_nodes
+        fpt = flops_per_token(model, run.data.seq_len)
         counts = model.param_counts()
-        length = run_length(cfg.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
-        module = K3LitModule(model, typed(OptimConfig, cfg.optim), length.max_steps, cfg.train.log_every,
-                             tokens_per_step, fpt, ckpt_every=cfg.train.ckpt_every)
+        length = run_length(run.train, counts["params_active_non_embedding"], fpt, tokens_per_step)
+        module = K3LitModule(model, run.optim, length.max_steps, run.train.log_every,
+                             tokens_per_step, fpt, ckpt_every=run.train.ckpt_every)
         module.elapsed_offset = elapsed
         known.update(counts=counts, tokens_per_step=tokens_per_step, fpt=fpt, train_tokens=datamodule.train_tokens)
-        summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=data_cfg.seq_len,
+        summary.update(n_layers=model.cfg.n_layers, d_model=model.cfg.width, seq_len=run.data.seq_len,
                        tokens_per_step=tokens_per_step, max_steps=length.max_steps, length_from=length.set_by,
-                       tokens_per_param=cfg.train.get("tokens_per_param"), flop_budget=cfg.train.get("flop_budget"),
-                       **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
-        print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
+                       tokens_per_param=run.train.tokens_per_param, flop_budget=run.train.flop_budget,
+                       **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment(),
+                       **device_sharing(load_start, torch.get_num_threads()))
+        print_run_header(run, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
-        if typed(LoggerConfig, cfg.logger).wandb is not None:
+        if run.logger.wandb is not None:
             summary.update(wandb_id=summary.data.get("wandb_id") or uuid.uuid4().hex[:12])  # one wandb run per directory
-        loggers = build_loggers(cfg, run_dir, tokens_per_step, fpt, start_step, summary.data.get("wandb_id"))
-        trainer = job.trainer = build_trainer(cfg, run_dir, loggers, datamodule.n_val_batches, length.max_steps,
+        loggers = build_loggers(run, run_dir, tokens_per_step, fpt, start_step, summary.data.get("wandb_id"))
+        trainer = job.trainer = build_trainer(run, run_dir, loggers, datamodule.n_val_batches, length.max_steps,
                                               [preemption, *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        if trainer.global_step % cfg.train.val_every:
+        if trainer.global_step % run.train.val_every:
             trainer.validate(module, datamodule=datamodule, verbose=False)
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     except BaseException as err:  # noqa: BLE001 - record any failure, including Ctrl-C, then re-raise
@@ -138,7 +144,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         preemption.restore()
     close_loggers(loggers, failed=False)
     job.end()
-    summary.finish("completed", **final_fields(run_dir, **known))
+    summary.finish("completed", **final_fields(run_dir, **known),
+                   **device_sharing(load_start, torch.get_num_threads()))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)
     if module.last_depth:
@@ -169,27 +176,26 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
-def deterministic_mode(tc: DictConfig) -> bool | str:
+def deterministic_mode(tc: TrainerConfig) -> bool | str:
     """Lightning's ``deterministic`` from trainer.deterministic: null means on for the CPU and off on
     GPUs; true, false and "warn" are passed through (TrainerConfig.check rejects anything else). Lightning
     then calls torch.use_deterministic_algorithms and sets CUBLAS_WORKSPACE_CONFIG."""
-    mode = typed(TrainerConfig, tc).check().deterministic
-    return tc.accelerator == "cpu" if mode is None else mode
+    return tc.accelerator == "cpu" if tc.deterministic is None else tc.deterministic
 
 
-def compile_model(model: nn.Module, cfg: DictConfig) -> None:
+def compile_model(model: nn.Module, run: RunConfig) -> None:
     """model.compile() when compile_mode(cfg) says so, with train.activation_memory_budget handed to the
     partitioner that splits each compiled graph into forward and backward (torch._functorch.config, a
     process-wide setting read when a graph is first compiled): at 1 the backward keeps what the min-cut
     partitioner would; below 1 it recomputes the ops cheapest by FLOPs until the saved activations fit
     that share."""
-    if not compile_mode(cfg):
+    if not compile_mode(run):
         return
-    torch._functorch.config.activation_memory_budget = typed(TrainConfig, cfg.train).activation_memory_budget
-    model.compile(backend=cfg.train.compile_backend)
+    torch._functorch.config.activation_memory_budget = run.train.activation_memory_budget
+    model.compile(backend=run.train.compile_backend)
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,
+def build_loggers(run: RunConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,
                   wandb_id: str | None = None) -> list:
     """metrics.jsonl always (the source); TensorBoard and wandb as mirrors when the logger group names them.
 
@@ -197,7 +203,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: flo
     checkpoint (purge_step), as metrics.jsonl does; wandb continues the run `wandb_id` (summary.json keeps it).
     wandb leaves stdout alone (console="off") and prints only where its files are (quiet), so the log
     stays plain text when it is a file."""
-    lc: LoggerConfig = typed(LoggerConfig, cfg.logger)
+    lc = run.logger
     loggers = [JsonlLogger(run_dir, tokens_per_step, fpt)]
     if lc.tensorboard is not None:
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -210,7 +216,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, tokens_per_step: int, fpt: flo
 
         mirror = WandbLogger(project=lc.wandb.project, name=run_dir.name, save_dir=str(run_dir), id=wandb_id,
                              mode=lc.wandb.mode, settings=wandb.Settings(console="off", quiet=True),
-                             config=OmegaConf.to_container(cfg, resolve=True))
+                             config=dataclasses.asdict(run))
         mirror._wandb_init.pop("anonymous", None)  # Lightning always passes anonymous=None, which wandb warns about
         loggers.append(mirror)
     return loggers
@@ -244,21 +250,21 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, loggers: list, n_val_batches: int, max_steps: int,
+def build_trainer(run: RunConfig, run_dir: Path, loggers: list, n_val_batches: int, max_steps: int,
                   callbacks: Sequence[Callback] = ()) -> L.Trainer:
     """The Lightning trainer of a run of `max_steps` optimizer steps (k3lab.budget.run_length)."""
-    tc = cfg.trainer
-    ckpt = StepCheckpoint(cfg.train.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                          every_n_train_steps=cfg.train.ckpt_every, save_on_train_epoch_end=False)
+    tc, tr = run.trainer, run.train
+    ckpt = StepCheckpoint(tr.val_every, dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                          every_n_train_steps=tr.ckpt_every, save_on_train_epoch_end=False)
     try:
         return L.Trainer(
             accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(tc), num_nodes=tc.num_nodes,
             precision=tc.precision, max_steps=max_steps, max_epochs=-1,
-            val_check_interval=cfg.train.val_every, check_val_every_n_epoch=None,
-            limit_val_batches=cfg.train.val_batches or n_val_batches, num_sanity_val_steps=0,
-            overfit_batches=cfg.train.overfit_batches, logger=loggers, log_every_n_steps=cfg.train.log_every,
+            val_check_interval=tr.val_every, check_val_every_n_epoch=None,
+            limit_val_batches=tr.val_batches or n_val_batches, num_sanity_val_steps=0,
+            overfit_batches=tr.overfit_batches, logger=loggers, log_every_n_steps=tr.log_every,
             callbacks=[TrainMetrics(), ckpt, progress_callback(max_steps), *callbacks], plugins=[AtomicCheckpointIO()],
-            enable_progress_bar=sys.stdout.isatty(), enable_model_summary=False, default_root_dir=run_dir,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=run_dir,
             deterministic=deterministic_mode(tc),
             # FSDP2's all-gathered parameters cannot be inference tensors (on CUDA its unshard reads their
             # version counter), so sharded runs validate under no_grad instead of inference_mode

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 
-from k3lab.config import model_config
+from k3lab.config import run_config
 from k3lab.data.tokenizer import ByteTokenizer
 from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
@@ -30,7 +30,7 @@ def compose_run(overrides: list[str]):
 
 def independent_model(overrides: list[str]) -> K3Model:
     """The run's model, built here from the same config (byte tokenizer: vocabulary 257)."""
-    return K3Model(model_config(compose_run(overrides), ByteTokenizer.vocab_size))
+    return K3Model(run_config(compose_run(overrides)).model_config(ByteTokenizer.vocab_size))
 
 
 class StopAtStart(L.Callback):

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from k3lab.config import OptimConfig, model_config, typed
+from k3lab.config import OptimConfig, run_config
 from k3lab.lit import clip_grad_norm
 from k3lab.model import K3Model
 from k3lab.model.tags import named_tags
@@ -33,11 +33,11 @@ def tiny_model() -> tuple[K3Model, OptimConfig]:
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["model.n_layers=4", "model.d_model=48", "model.head_dim=16"])
     torch.manual_seed(0)
-    model = K3Model(model_config(cfg, V))
+    model = K3Model(run_config(cfg).model_config(V))
     with torch.no_grad():  # a skewed router, so the QB bias has work to do
         for moe in model.moe_layers():
             moe.router.weight.mul_(20)
-    return model, typed(OptimConfig, cfg.optim)
+    return model, run_config(cfg).optim
 
 
 def draw(p: torch.Tensor, name: str, step: int) -> torch.Tensor:

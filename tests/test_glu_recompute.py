@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import k3lab.model.ffn as ffn_module
-from k3lab.config import GLUConfig, KernelsConfig, MixerConfig, ModelConfig, MoEConfig, model_config
+from k3lab.config import GLUConfig, KernelsConfig, MixerConfig, ModelConfig, MoEConfig, run_config
 from k3lab.model.ffn import GLU
 from k3lab.model.k3 import K3Model
 from k3lab.model.moe import MoE
@@ -218,7 +218,7 @@ def test_off_by_default_and_builds_the_same_modules():
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config")
     assert cfg.kernels.recompute_glu is False
-    assert model_config(cfg, VOCAB).kernels.recompute_glu is False
+    assert run_config(cfg).model_config(VOCAB).kernels.recompute_glu is False
     states = []
     for on in (False, True):
         torch.manual_seed(0)

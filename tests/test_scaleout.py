@@ -154,6 +154,6 @@ def test_sharded_checkpoint_is_published_in_one_rename(tmp_path):
         publish_checkpoint(link, target)
         assert os.readlink(link) == f"last.ckpt.{step:08d}-0" and checkpoint_step(link) == step
         assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt", f"last.ckpt.{step:08d}-0"]
-    assert find_resume_dir(OmegaConf.create({"resume": "last", "out_dir": str(tmp_path)})) == tmp_path / "run"
+    assert find_resume_dir(str(tmp_path), "last") == tmp_path / "run"
     remove_checkpoint(link)
     assert list(ckpt.iterdir()) == []

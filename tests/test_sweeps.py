@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from analysis.ablate import TUNE_SEED_MIN
 from analysis.scaling import fit_isoflop, flop_budgets
 from k3lab.budget import run_length
-from k3lab.config import SWITCH_SCHEMAS, model_config, typed
+from k3lab.config import run_config
 from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
 
@@ -58,9 +58,7 @@ def compose_job(job: list[str]):
     """A job's config, composed and typed as run.py types it (switch groups, model, optimizer)."""
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=job)
-    for switch, schema in SWITCH_SCHEMAS.items():
-        typed(schema, cfg[switch])
-    model_config(cfg, 64)
+    run_config(cfg).model_config(64)
     return cfg
 
 
@@ -120,7 +118,7 @@ def test_ladders_keep_about_eight_attnres_blocks(name):
     for job in sweep_jobs(name):
         cfg = compose_job(job)
         assert cfg.residual.n_blocks == 8
-        assert typed(SWITCH_SCHEMAS["residual"], cfg.residual).n_blocks == 8
+        assert run_config(cfg).residual.n_blocks == 8
 
 
 class Run(NamedTuple):
@@ -142,7 +140,7 @@ def model_counts(sweep: str, model_overrides: tuple[str, ...]) -> tuple[int, flo
     """(N, FLOPs per token) of the sweep's model with these overrides; the vocabulary is data.vocab_size
     (the sweeps train on the default BPE data, whose tokenizer has exactly that many entries)."""
     cfg = compose_run([f"sweep={sweep}", *model_overrides])
-    model = K3Model(model_config(cfg, cfg.data.vocab_size))
+    model = K3Model(run_config(cfg).model_config(cfg.data.vocab_size))
     return model.param_counts()["params_active_non_embedding"], flops_per_token(model, cfg.data.seq_len)
 
 
@@ -156,7 +154,7 @@ def sweep_runs(sweep: str) -> list[Run]:
         cfg = compose_run([f"sweep={sweep}", *combo])
         n, fpt = model_counts(sweep, tuple(o for o in combo if o.startswith("model.")))
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.devices * cfg.trainer.num_nodes
-        steps = run_length(cfg.train, n, fpt, tokens_per_step).max_steps
+        steps = run_length(run_config(cfg).train, n, fpt, tokens_per_step).max_steps
         runs.append(Run(combo, n, fpt, tokens_per_step, steps, cfg.train.flop_budget))
     return runs
 
@@ -203,10 +201,10 @@ def test_pycode_study_preset_gives_the_planned_runs():
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=["experiment=pycode_study", "data.path=/unused",
                                                f"model.n_layers={depth}"])
-        mc = model_config(cfg, 8192)
+        mc = run_config(cfg).model_config(8192)
         model = K3Model(mc)
         n = model.param_counts()["params_active_non_embedding"]
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        steps = run_length(cfg.train, n, flops_per_token(model, cfg.data.seq_len), tokens_per_step).max_steps
+        steps = run_length(run_config(cfg).train, n, flops_per_token(model, cfg.data.seq_len), tokens_per_step).max_steps
         assert "mla" in mc.layer_kinds() and (n, steps) == (n_planned, steps_planned)
         assert steps * tokens_per_step / 110.5e6 < 4.1

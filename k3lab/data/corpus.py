@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import tokenize
@@ -116,13 +117,34 @@ def relative_id(root: Path, file: Path) -> str:
     return file.name if root.is_file() else file.relative_to(root).as_posix()
 
 
+PIECE_CHARS = 4096  # a lone .txt file is split into documents of at least this many characters (split_text)
+
+
+def split_text(doc_id: str, text: str, piece_chars: int = PIECE_CHARS) -> list[Document]:
+    """One long text as documents: its paragraphs (split at blank lines) joined in order into pieces of at
+    least `piece_chars` characters, the last piece taking the remainder; ids `<doc_id>:<n>`. A book read as
+    `data.path=book.txt` thus gives a document split that holds out whole passages for validation."""
+    pieces, current = [], []
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.strip():
+            current.append(paragraph)
+        if sum(map(len, current)) >= piece_chars:
+            pieces.append("\n\n".join(current))
+            current = []
+    if current:
+        pieces.append("\n\n".join(current))
+    return [(f"{doc_id}:{n}", piece) for n, piece in enumerate(pieces)]
+
+
 def iter_text_documents(path: str | os.PathLike, text_field: str = "text", suffixes: Sequence[str] = TEXT_SUFFIXES,
                         what: str = "data.path") -> Iterator[Document]:
-    """Documents of `path`, file by file: each .txt file is one document, each .jsonl line and each
-    .parquet row another (field `text_field`); only files ending in `suffixes` are read.
+    """Documents of `path`, file by file: each .txt file of a folder is one document, each .jsonl line and
+    each .parquet row another (field `text_field`); only files ending in `suffixes` are read. A path that is
+    one .txt file is split into documents of its paragraphs (split_text), since a train/validation split
+    needs at least two.
 
-    Ids are file paths relative to `path` (plus `:line` for jsonl, `:row` for parquet), so they do
-    not depend on where the folder lives.
+    Ids are file paths relative to `path` (plus `:line` for jsonl, `:row` for parquet, `:n` for the pieces
+    of a lone .txt file), so they do not depend on where the folder lives.
     """
     root = Path(path).expanduser()
     for file in text_files(root, suffixes, what):
@@ -130,6 +152,8 @@ def iter_text_documents(path: str | os.PathLike, text_field: str = "text", suffi
             yield from read_jsonl(file, relative_id(root, file), text_field)
         elif file.suffix == ".parquet":
             yield from read_parquet(file, relative_id(root, file), text_field)
+        elif root.is_file():
+            yield from split_text(relative_id(root, file), _read_utf8(file))
         else:
             yield relative_id(root, file), _read_utf8(file)
 
@@ -220,7 +244,10 @@ def load_documents(name: str, path: str | None = None) -> list[Document]:
     if name == "text":
         if not path:
             raise ValueError("data=text needs data.path (a .txt/.jsonl file or a folder of them)")
-        return text_documents(path)
+        docs = [(doc_id, text) for doc_id, text in text_documents(path) if text.strip()]
+        if not docs:
+            raise ValueError(f"data.path {path!r} holds no text")
+        return docs
     raise ValueError(f"no documents for data.name={name!r}; document corpora: sotu, text")
 
 
@@ -265,7 +292,8 @@ def split_ids(ids: Sequence[str], val_fraction: float, what: str = "data.val_fra
     if len(set(ids)) != len(ids):
         raise ValueError("document ids are not unique")
     if len(ids) < 2:
-        raise ValueError(f"need at least 2 documents to split into train and validation, got {len(ids)}")
+        raise ValueError(f"need at least 2 documents to split into train and validation, got {len(ids)} (a lone "
+                         f".txt file is split at blank lines into pieces of >= {PIECE_CHARS:,} characters)")
     n_val = min(len(ids) - 1, max(1, math.floor(val_fraction * len(ids) + 0.5)))
     by_hash = sorted(range(len(ids)), key=lambda i: _id_hash(ids[i]))
     is_val = np.zeros(len(ids), dtype=bool)
