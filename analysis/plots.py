@@ -110,7 +110,7 @@ def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, fron
     label's range (label = value of `color_by`); extra_curves: {label: callable(C) -> loss} drawn dashed
     over the whole range (e.g. approach 3's compute-optimal frontier). frontier: the Pareto frontier of
     the points as a step line."""
-    from analysis.scaling import pareto_frontier
+    from analysis.power_law import pareto_frontier
 
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     cmin, cmax = points[c_col].min(), points[c_col].max()
@@ -195,7 +195,7 @@ def plot_ablation(table: pd.DataFrame):
     """Point plot of delta (option - baseline) with 95% CI, one panel per switch, one row per (option,
     cell, setting). Colour by the table's verdict: red worse, green better (Holm-adjusted p < alpha), grey
     not significant or untested; a legend says so. table: analysis.ablate.ablation_table output."""
-    from analysis.ablate import fmt
+    from analysis.tables import fmt
 
     t = table[table["test"] != "baseline"]
     if t.empty:
@@ -258,7 +258,7 @@ def plot_maxvio(curves: pd.DataFrame, runs: pd.DataFrame, by: str = "balance", m
 def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, level: float = 0.95):
     """Approach 3's compute-optimal allocation per fit: N_opt(C) (left) and D_opt/N_opt (right), with
     bootstrap percentile bands. fits: {label: ChinchillaFit}; boots: {label: ChinchillaBootstrap}."""
-    from analysis.scaling import THETA_NAMES, optimal_allocation
+    from analysis.approach3 import THETA_NAMES, optimal_allocation
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.6))
     q = (1 - level) / 2

@@ -28,14 +28,18 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.ablate import (ALPHA, BOOKKEEPING, POWER, TUNE_SEED_MIN, _parse_baseline, add_ablation_args,
-                             display_headline, display_table, fmt, headline, markdown_table, print_ablation,
-                             table_from_args, tuning_table, variant_labels)
+from analysis.ablate import add_ablation_args, display_table, parse_baseline, print_ablation, table_from_args
+from analysis.approach3 import bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, leave_largest_out, size_groups
+from analysis.cells import BOOKKEEPING, variant_labels
 from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect,
                               runs_to_scaling, scaling_table_from_args, select_rows)
-from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              fit_loss_vs_compute, flop_budgets, flops_per_param_token, leave_largest_out,
-                              pareto_frontier, size_groups)
+from analysis.headline import display_headline, headline
+from analysis.isoflop import fit_isoflop, flop_budgets
+from analysis.multipliers import compute_multipliers
+from analysis.power_law import fit_loss_vs_compute, pareto_frontier
+from analysis.stats import ALPHA, POWER
+from analysis.tables import fmt, markdown_table
+from analysis.tuning import TUNE_SEED_MIN, tuning_table
 
 
 class Report:
@@ -455,7 +459,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
         section_scaling(rep, df, args)
         section_multipliers(rep, df, args)
     else:
-        variants = variant_labels(col.runs, _parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
+        variants = variant_labels(col.runs, parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
         section_runs(rep, col, variants)
         headline_at = len(rep.lines)
         table = section_ablation(rep, col, args)

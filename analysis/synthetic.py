@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import yaml
 
-from analysis.ablate import DEFAULT_BASELINE
+from analysis.cells import DEFAULT_BASELINE
 
 TRUTH = {"E": 2.0, "A": 60.0, "B": 150.0, "alpha": 0.3, "beta": 0.3}  # optimum D/N ~ 21
 # The settings each option's config group holds, as in conf/ (an option's keys differ from another's).

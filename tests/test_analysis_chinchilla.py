@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from analysis.collect import load_csv, select_rows
-from analysis.scaling import HOFFMANN_THETA, bootstrap_chinchilla, fit_chinchilla
+from analysis.approach3 import HOFFMANN_THETA, bootstrap_chinchilla, fit_chinchilla
 
 
 def shared_data_dir() -> Path:

@@ -13,12 +13,17 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import (ablation_table, headline, holm, mde_paired, mde_welch, next_commands, tuning_table,
-                             variant_labels)
+from analysis.ablate import ablation_table
+from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, huber_lse_objective,
+                                init_grid, leave_largest_out)
+from analysis.cells import variant_labels
 from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
-from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              flops_per_param_token, fit_loss_vs_compute, huber_lse_objective, init_grid,
-                              leave_largest_out)
+from analysis.headline import headline
+from analysis.isoflop import fit_isoflop
+from analysis.multipliers import compute_multipliers
+from analysis.power_law import fit_loss_vs_compute
+from analysis.stats import holm, mde_paired, mde_welch
+from analysis.tuning import next_commands, tuning_table
 from analysis.synthetic import (ABLATION_DELTAS, law, write_ablation_sweep, write_isoflop_grid, write_lr_grid,
                                 write_run, write_scaling_ladder)
 
