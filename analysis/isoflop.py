@@ -41,8 +41,8 @@ class IsoFlopFit:
         return np.exp(self.log_k + self.a * np.log(np.asarray(c, float)))
 
     def ci(self, level: float = 0.95) -> pd.DataFrame:
-        if self.boot is None or self.boot.empty:
-            return pd.DataFrame(columns=["lo", "hi"])
+        if self.boot is None or self.boot.empty:  # no replicates (n_boot = 0): no interval
+            return pd.DataFrame({"lo": np.nan, "hi": np.nan}, index=["a", "b"])
         q = (1 - level) / 2
         return pd.DataFrame({"lo": self.boot.quantile(q), "hi": self.boot.quantile(1 - q)})
 

@@ -91,10 +91,6 @@ class Report:
         return path
 
 
-def _ci(v, lo, hi, digits: int = 4) -> str:
-    return f"{fmt(v, digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
-
-
 def default_budgets(c: np.ndarray) -> np.ndarray:
     """Every second decade from the smallest budget to two decades past the largest."""
     lo, hi = int(np.floor(np.log10(c.min()))), int(np.ceil(np.log10(c.max()))) + 2

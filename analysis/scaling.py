@@ -20,8 +20,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     from analysis.collect import add_source_args, scaling_table_from_args
 
     p = argparse.ArgumentParser(prog="python -m analysis.scaling",
-                                description="Chinchilla approach-3 fit (+ bootstrap, leave-largest-out) and "
-                                            "approach 2 on run directories or an external CSV.")
+                                description="Chinchilla approach-3 fit (+ bootstrap) on run directories or an "
+                                            "external CSV.")
     add_source_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
     p.add_argument("--n-boot", type=int, default=200, help="bootstrap replicates (0 = none)")

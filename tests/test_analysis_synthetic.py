@@ -262,7 +262,9 @@ def test_report_end_to_end(tmp_path):
                    "## Headline", "## Ablations", "paired t", "p (Holm)", "Approach 3", "Compute multiplier",
                    "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding", "Approach 2 (isoFLOP"):
         assert needle in text, needle
-    assert "| runs | seeds | tokens | commits |" in text and "| used |  | synthetic |" in text  # who ran them
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    assert ["model", "variant", "runs", "seeds", "tokens", "commits"] in rows  # who ran them
+    assert any(r[-3:] == ["used", "", "synthetic"] for r in rows)
     assert text.index("## Headline") < text.index("## Ablations")
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
@@ -299,19 +301,21 @@ def test_a_report_written_again_removes_the_figures_it_no_longer_writes_and_noth
     assert {"report.md", "notes.txt", "compute_multipliers.png", "ablation.csv"} <= names, names
     assert set((out / ".report-files").read_text().split()) == names - {"notes.txt", ".report-files"}
 
-def test_single_thread_blas_without_threadpoolctl(monkeypatch):
-    """The ctypes fallback limits every loaded OpenBLAS to one thread inside the block and restores it."""
-    import analysis._blas as blas
-    import scipy.optimize  # noqa: F401  (loads scipy's OpenBLAS)
+def test_single_thread_blas_limits_every_blas_pool_and_restores_it():
+    """Inside the block every BLAS thread pool that threadpoolctl sees runs one thread; after it, as before."""
+    from threadpoolctl import threadpool_info
 
-    monkeypatch.setattr(blas, "threadpool_limits", None)
-    handles = blas._openblas_handles()
-    if not handles:
-        pytest.skip("no OpenBLAS loaded (other BLAS vendor or not Linux)")
-    before = [get() for get, _ in handles]
-    with blas.single_thread_blas():
-        assert all(get() == 1 for get, _ in handles)
-    assert [get() for get, _ in handles] == before
+    from analysis._blas import single_thread_blas
+    import scipy.optimize  # noqa: F401  (loads scipy's BLAS)
+
+    def blas_threads():
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas_threads()
+    assert before, "numpy and scipy load a BLAS"
+    with single_thread_blas():
+        assert set(blas_threads()) == {1}
+    assert blas_threads() == before
 
 
 def test_repeated_runs_of_one_seed_count_once():
