@@ -27,6 +27,7 @@ baseline row, and its throughput (summary tokens_per_s_median) relative to the b
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -42,16 +43,16 @@ from analysis.tables import fmt, markdown_table, ratio_text
 from analysis.tuning import TUNE_SEED_MIN, TUNED, next_commands, pick_tuned, tuning_table
 
 TABLE_COLUMNS = ["switch", "option", "baseline", "cell", "rate", "setting", "grid_edge", "n", "seeds", "mean",
-                 "std", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "test", "mde",
-                 "verdict", "warnings", "N", "N_rel", "tokens", "flops_per_token", "flops_rel", "tokens_per_s",
-                 "tokens_per_s_rel", "run_ids"]
+                 "std", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "family", "test",
+                 "mde", "verdict", "warnings", "N", "N_rel", "tokens", "flops_per_token", "flops_rel", "tokens_per_s",
+                 "tokens_per_s_rel", "mfu", "run_ids"]
 
 
 def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline: Optional[dict] = None,
                    match: Optional[Sequence[str]] = None, level: float = 0.95, switches: Sequence[str] = SWITCHES,
                    ignore: Sequence[str] = (), tune: bool = False, tuned: Sequence[str] = TUNED,
                    tune_seeds: Optional[Sequence[int]] = None, n_def: str = DEFAULT_N,
-                   report_seeds: str = "0,1,2") -> pd.DataFrame:
+                   report_seeds: str = "0,1,2", primary: Optional[Sequence[str]] = None) -> pd.DataFrame:
     """One row per (switch, cell, option, setting), the baseline first in each cell (module docstring).
 
     match: summary columns that must be equal (DEFAULT_MATCH); ignore: config keys (or prefixes, without
@@ -122,11 +123,30 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
                     rows.append(_fill(row, g, base_rows, opt == r, metric, level, n_col, extra))
     columns = [*TABLE_COLUMNS[:3], *match, *(c for c in TABLE_COLUMNS[3:] if c not in match)]
     table = pd.DataFrame(rows, columns=columns)
-    table["p_holm"] = holm(table["p_value"]) if len(table) else []
+    table["family"] = family(table, primary)
+    in_family = table["family"].isin(["all", "primary"]).to_numpy()
+    table["p_holm"] = np.where(in_family, holm(table["p_value"].where(in_family)), np.nan) if len(table) else []
     table["verdict"] = [_verdict(t) for t in table.itertuples()]
-    table.attrs.update(notes=notes, metric=metric, tune=tune, n_comparisons=int(table["p_value"].notna().sum()),
-                       tuning=tuning)
+    table.attrs.update(notes=notes, metric=metric, tune=tune, tuning=tuning, primary=list(primary or []),
+                       n_comparisons=int(table["p_value"].where(in_family).notna().sum()))
     return table
+
+
+def family(table: pd.DataFrame, primary: Optional[Sequence[str]]) -> list[str]:
+    """Each row's Holm family: 'primary' for the rows of a declared primary comparison ('switch=option'),
+    'exploratory' for the others ('' for the baseline rows); 'all' for every row when none is declared (one
+    report, one family). A
+    primary comparison that names no row of the table raises ValueError."""
+    if not primary:
+        return ["all"] * len(table)
+    names = [f"{s}={o}" for s, o in zip(table["switch"], table["option"])]
+    missing = [p for p in primary if p not in names]
+    if missing:
+        compared = sorted({n for n, t in zip(names, table["test"]) if t != "baseline"})
+        raise ValueError(f"primary comparison(s) {missing} name no row of the ablation table; its comparisons: "
+                         f"{compared}")
+    return ["" if t == "baseline" else "primary" if n in primary else "exploratory"
+            for n, t in zip(names, table["test"])]
 
 
 def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: str, level: float, n_col: str,
@@ -155,8 +175,10 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
     base_g = base_rows[0][1] if len(base_rows) == 1 else g.iloc[:0]
     for col, src in (("N_rel", n_col), ("flops_rel", "flops_per_token"), ("tokens_per_s_rel", "tokens_per_s_median")):
         row[col] = column_mean(g, src) / column_mean(base_g, src) if len(base_g) and column_mean(base_g, src) else np.nan
+    # the utilisation of the pair: the lower of the two runs' median MFU (NaN when not logged)
+    row["mfu"] = min(column_mean(g, "mfu_median"), column_mean(base_g, "mfu_median")) if len(base_g) else np.nan
     if shared_device(g) or shared_device(base_g):  # others trained on the same GPU: not the option's own speed
-        row["tokens_per_s_rel"] = np.nan
+        row["tokens_per_s_rel"] = row["mfu"] = np.nan
         if not is_base:
             warnings.append("tokens/s of runs that shared a GPU: no throughput ratio")
     row["warnings"] = "; ".join(warnings)
@@ -174,6 +196,8 @@ def _verdict(t) -> str:
         return "no test (n < 2 on a side)"
     if t.test == "paired (constant)":
         return "same difference at every seed (no test)"
+    if t.family == "exploratory":
+        return f"exploratory (p {fmt(t.p_value, 3)} uncorrected; MDE {fmt(t.mde)})"
     if t.p_holm < ALPHA:
         return "better" if t.delta < 0 else "worse"
     return f"not significant (MDE {fmt(t.mde)})"
@@ -193,8 +217,11 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     out["N / base"] = [ratio_text(v) for v in table["N_rel"]]
     out["FLOPs/token / base"] = [ratio_text(v) for v in table["flops_rel"]]
     out["tokens/s / base"] = [ratio_text(v) for v in table["tokens_per_s_rel"]]
+    out["MFU"] = [f"{100 * v:.1f}%" if np.isfinite(v) else "" for v in table["mfu"].astype(float)]
     drop = {"baseline", "mean", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "mde", "N",
-            "N_rel", "flops_per_token", "flops_rel", "tokens_per_s", "tokens_per_s_rel", "run_ids"}
+            "N_rel", "flops_per_token", "flops_rel", "tokens_per_s", "tokens_per_s_rel", "mfu", "run_ids"}
+    if (table["family"] == "all").all():
+        drop.add("family")
     keep = [c for c in out.columns if c not in drop and c not in ("verdict", "warnings")] + ["verdict", "warnings"]
     out = out[keep]
     empty = [c for c in out.columns if out[c].map(lambda v: fmt(v) == "").all()]
@@ -256,13 +283,41 @@ def add_ablation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuned", default=",".join(TUNED), help="hyperparameters a tuned comparison chooses per option")
     p.add_argument("--tune-seeds", default=None, help="the tuning seeds, e.g. 1000,1001 (default: seed >= 1000)")
     p.add_argument("--report-seeds", default="0,1,2", help="seeds in the printed commands for the reported runs")
+    p.add_argument("--primary", metavar="FILE", default=None,
+                   help="the study's file declaring its primary comparisons (YAML, `primary: [residual=standard, "
+                        "...]`): Holm over them alone, every other row exploratory (default: one family of all rows)")
+
+
+def read_primary(path: Optional[str], runs: Optional[pd.DataFrame] = None) -> list[str]:
+    """The primary comparisons a study file declares (`primary:`, a list of 'switch=option'), checked against
+    the switches and, when given, the options the runs have; ValueError in one line otherwise."""
+    if not path:
+        return []
+    import yaml
+
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--primary {path}: cannot be read ({type(e).__name__})") from None
+    items = spec.get("primary") if isinstance(spec, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"--primary {path}: no `primary:` list (e.g. `primary: [residual=standard, optim=adamw]`)")
+    for item in map(str, items):
+        switch, _, option = item.partition("=")
+        if switch not in SWITCHES or not option:
+            raise ValueError(f"--primary {path}: {item!r} is not switch=option (switches: {', '.join(SWITCHES)})")
+        if runs is not None and switch in runs and option not in set(runs[switch].dropna()):
+            raise ValueError(f"--primary {path}: no run has {item}; options run: "
+                             f"{sorted(map(str, set(runs[switch].dropna())))}")
+    return [str(i) for i in items]
 
 
 def table_from_args(runs: pd.DataFrame, args) -> pd.DataFrame:
     return ablation_table(runs, args.metric, parse_baseline(args.baseline), [c for c in args.match.split(",") if c],
                           ignore=[c for c in args.ignore.split(",") if c], tune=args.tune,
                           tuned=[c for c in args.tuned.split(",") if c], tune_seeds=_seeds(args.tune_seeds),
-                          n_def=getattr(args, "n_def", DEFAULT_N), report_seeds=args.report_seeds)
+                          n_def=getattr(args, "n_def", DEFAULT_N), report_seeds=args.report_seeds,
+                          primary=read_primary(args.primary))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -281,11 +336,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit("--next lists what a tuned comparison runs next: add --tune")
     try:
         col = collect(args.paths, verbose=not args.next, curves=False)
+        if col.runs.empty:
+            raise ValueError("no usable runs")
+        read_primary(args.primary, col.runs)
+        table = table_from_args(col.runs, args)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"analysis.ablate: {e}") from None
-    if col.runs.empty:
-        raise SystemExit("no usable runs")
-    table = table_from_args(col.runs, args)
     if table.empty:
         raise SystemExit("no switch has runs that differ from the baseline in that switch only")
     if args.next:

@@ -289,23 +289,31 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
     return fig
 
 
-def plot_multipliers(mult: pd.DataFrame):
-    """Compute multipliers with bootstrap intervals: separate fits at each budget (points joined by
-    lines) and the shared-exponent multiplier (horizontal band), per variant."""
+def plot_multipliers(mult):
+    """Compute multipliers against the baseline per variant: each size's multiplier with its seed-noise
+    interval against C (open markers where the baseline's curve is extended beyond its points), and the
+    shared fit's multiplier as a band only where that fit is adequate. mult: analysis.multipliers.Multipliers."""
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
-    for i, (v, g) in enumerate(mult.groupby("variant", sort=False)):
+    for i, (v, g) in enumerate(mult.per_size.groupby("variant", sort=False)):
         col = PALETTE[i % len(PALETTE)]
-        sep = g[g["kind"] == "separate"].sort_values("C")
-        ax.errorbar(sep["C"], sep["multiplier"], yerr=[(sep["multiplier"] - sep["lo"]).clip(lower=0),
-                                                      (sep["hi"] - sep["multiplier"]).clip(lower=0)],
-                    color=col, marker="o", capsize=3, label=f"{v} (separate fits)")
-        sh = g[g["kind"] == "shared"].iloc[0]
-        ax.axhline(sh["multiplier"], color=col, ls="--", lw=1, label=f"{v} shared: {sh['multiplier']:.3g}")
-        ax.axhspan(sh["lo"], sh["hi"], color=col, alpha=0.12)
+        g = g.sort_values("C")
+        err = [(g["multiplier"] - g["lo"]).clip(lower=0).fillna(0), (g["hi"] - g["multiplier"]).clip(lower=0).fillna(0)]
+        ax.errorbar(g["C"], g["multiplier"], yerr=err, color=col, capsize=3, lw=1, label=f"{v} per size")
+        ext = g["extrapolated"].astype(bool).to_numpy()
+        ax.scatter(g["C"][~ext], g["multiplier"][~ext], color=col, zorder=3)
+        ax.scatter(g["C"][ext], g["multiplier"][ext], facecolors="white", edgecolors=col, zorder=3)
+        fit = mult.fits[(mult.fits["kind"] == "shared") & (mult.fits["variant"] == v)]
+        if len(fit) and fit["verdict"].iloc[0] == "adequate":
+            f = fit.iloc[0]
+            ax.axhline(f["multiplier"], color=col, ls="--", lw=1, label=f"{v} shared fit: {f['multiplier']:.3g}")
+            if np.isfinite(f["lo"]):
+                ax.axhspan(f["lo"], f["hi"], color=col, alpha=0.12)
     ax.axhline(1, color="k", lw=0.8)
     ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log(ax.yaxis)
     _decade_labels(ax.xaxis)
-    ax.set_xlabel("training FLOPs C")
+    ax.set_xlabel("training FLOPs C of the variant's point")
     ax.set_ylabel("compute multiplier vs baseline")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
