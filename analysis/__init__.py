@@ -10,11 +10,14 @@ Modules (the commands: `python -m analysis.<name> --help`):
     stats       mean and CI over seeds, paired / Welch t-test, Holm, minimum detectable effects
     tuning      each option at its own tuned rate: the choice, grid edges, the commands to run next
     ablate      the ablation table per switch, each option against the K3 default (command)
-    headline    one row per switch option: delta, compute multiplier, throughput and wall-clock multipliers
+    headline    one row per switch option: delta, per-size multipliers and trend, the fitted multiplier where
+                its fit is adequate, throughput at its utilisation, the wall-clock multiplier
     approach3   Chinchilla approach 3 (+ bootstrap, leave-largest-out, compute-optimal allocation)
     isoflop     Chinchilla approach 2 (isoFLOP parabolas)
     power_law   L(C) per variant, alone or with a shared exponent
-    multipliers compute multipliers between variants
+    noise       points of a ladder, the seed noise pooled over them, a fit's test against it
+    multipliers compute multipliers per size and from a shared fit, with seed-noise intervals, and their trend
+    plan        seeds per point for a minimum detectable effect, the validation-size term, a plan's cost (command)
     scaling     approach 3 on run directories or a CSV (command)
     tables      number formatting and Markdown tables
     plots       matplotlib figures (PNG + SVG)
@@ -31,8 +34,8 @@ _EXPORTS = {
     "DEFAULT_BASELINE": "cells", "ablation_table": "ablate", "tuning_table": "tuning", "headline": "headline",
     "ChinchillaFit": "approach3", "fit_chinchilla": "approach3", "bootstrap_chinchilla": "approach3",
     "leave_largest_out": "approach3", "fit_isoflop": "isoflop", "fit_loss_vs_compute": "power_law",
-    "compute_multipliers": "multipliers", "compute_multiplier_separate": "multipliers",
-    "compute_multiplier_shared": "multipliers",
+    "compute_multipliers": "multipliers", "Multipliers": "multipliers", "SeedNoise": "noise",
+    "points_table": "noise", "seeds_for_mde": "plan",
 }
 __all__ = list(_EXPORTS)
 
