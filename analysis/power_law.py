@@ -183,27 +183,27 @@ def levenberg_marquardt(theta: np.ndarray, x: np.ndarray, which: np.ndarray, log
     settled = np.zeros(b, bool)
     eye = np.eye(k)
     for _ in range(max_iter):
-        todo = np.flatnonzero(~settled)  # a settled problem stays settled: it is left alone
-        if not len(todo):
+        pending = np.flatnonzero(~settled)  # a settled problem stays settled: it is left alone
+        if not len(pending):
             break
-        th, rr, jj, lm = theta[todo], r[todo], jac[todo], lam[todo]
+        th, rr, jj, lm = theta[pending], r[pending], jac[pending], lam[pending]
         g = (jj.transpose(0, 2, 1) @ rr[..., None])[..., 0]
         h = jj.transpose(0, 2, 1) @ jj
         active = np.zeros(th.shape, bool)  # at a bound, pushed outwards: held this step
-        active[:, 0] = (th[:, 0] <= 0) & (g[:, 0] > 0) | (th[:, 0] >= upper_linf[todo]) & (g[:, 0] < 0)
+        active[:, 0] = (th[:, 0] <= 0) & (g[:, 0] > 0) | (th[:, 0] >= upper_linf[pending]) & (g[:, 0] < 0)
         active[:, 1] = (th[:, 1] <= 1e-3) & (g[:, 1] > 0) | (th[:, 1] >= 3.0) & (g[:, 1] < 0)
         g = np.where(active, 0.0, g)
         h = np.where(active[:, :, None] | active[:, None, :], 0.0, h) + active[:, :, None] * eye
         step = np.linalg.solve(h + lm[:, None, None] * (h * eye + 1e-12 * eye), -g[..., None])[..., 0]
-        trial = project_rows(th + step, todo)
+        trial = project_rows(th + step, pending)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            r_t, jac_t = _weighted_residual(trial, x, which, log_l[todo], w)
+            r_t, jac_t = _weighted_residual(trial, x, which, log_l[pending], w)
         cost_t = (r_t ** 2).sum(1)
-        better = np.isfinite(cost_t) & (cost_t < cost[todo])
-        gain = np.where(better, cost[todo] - cost_t, 0.0)
+        better = np.isfinite(cost_t) & (cost_t < cost[pending])
+        gain = np.where(better, cost[pending] - cost_t, 0.0)
         tiny = np.abs(trial - th).max(1) <= 1e-12 * (1 + np.abs(th).max(1))
-        settled[todo] = ~better & ((lm > 1e6) | tiny) | better & (gain <= 1e-13 * np.maximum(cost[todo], 1e-300))
-        up = todo[better]
+        settled[pending] = ~better & ((lm > 1e6) | tiny) | better & (gain <= 1e-13 * np.maximum(cost[pending], 1e-300))
+        up = pending[better]
         theta[up], r[up], jac[up], cost[up] = trial[better], r_t[better], jac_t[better], cost_t[better]
-        lam[todo] = np.clip(np.where(better, lm / 3, lm * 4), 1e-12, 1e12)
+        lam[pending] = np.clip(np.where(better, lm / 3, lm * 4), 1e-12, 1e12)
     return theta, cost, settled & np.isfinite(theta).all(1) & np.isfinite(cost)
