@@ -161,8 +161,9 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
     warnings += [f"seed {k} run {v} times (averaged)" for k, v in repeats.items()]
     if row["grid_edge"]:
         warnings.append(f"best rate at the grid edge ({row['grid_edge']})")
-    row.update(N=column_mean(g, n_col), tokens=column_mean(g, "tokens"), flops_per_token=column_mean(g, "flops_per_token"),
-               tokens_per_s=column_mean(g, "tokens_per_s_median"), run_ids=";".join(g["run_id"]) if "run_id" in g else "")
+    row.update(N=column_mean(g, n_col), tokens=column_mean(g, "tokens"),
+               flops_per_token=column_mean(g, "flops_per_token"), tokens_per_s=column_mean(g, "tokens_per_s_median"),
+               run_ids=";".join(g["run_id"]) if "run_id" in g else "")
     nan = {"delta": np.nan, "delta_lo": np.nan, "delta_hi": np.nan, "p_value": np.nan, "mde": np.nan}
     if is_base:
         row.update(nan, delta=0.0, test="baseline")
@@ -174,7 +175,8 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
         row.update(compare(sample, one_per_seed(base_rows[0][1], metric)[0], metric, level))
     base_g = base_rows[0][1] if len(base_rows) == 1 else g.iloc[:0]
     for col, src in (("N_rel", n_col), ("flops_rel", "flops_per_token"), ("tokens_per_s_rel", "tokens_per_s_median")):
-        row[col] = column_mean(g, src) / column_mean(base_g, src) if len(base_g) and column_mean(base_g, src) else np.nan
+        base_mean = column_mean(base_g, src) if len(base_g) else np.nan
+        row[col] = column_mean(g, src) / base_mean if base_mean else np.nan
     # the utilisation of the pair: the lower of the two runs' median MFU (NaN when not logged)
     row["mfu"] = min(column_mean(g, "mfu_median"), column_mean(base_g, "mfu_median")) if len(base_g) else np.nan
     if shared_device(g) or shared_device(base_g):  # others trained on the same GPU: not the option's own speed

@@ -123,7 +123,8 @@ def _quantile(x: np.ndarray, q: float) -> np.ndarray:
 
 def trend(rows: pd.DataFrame, reps: np.ndarray, level: float = 0.95) -> dict:
     """The slope of log m against log C over a variant's sizes (least squares) with its percentile interval
-    over the replicates of per_size, its verdict and the crossovers. rows, reps: per_size's output."""
+    over the replicates of per_size, its verdict, the crossovers, and how many of the sizes are extrapolated
+    (their chord errors enter the slope). rows, reps: per_size's output."""
     x = np.log(rows["C"].to_numpy(float))
     x = x - x.mean()
     slope = float(np.dot(x, np.log(rows["multiplier"].to_numpy(float))) / np.dot(x, x))
@@ -134,7 +135,8 @@ def trend(rows: pd.DataFrame, reps: np.ndarray, level: float = 0.95) -> dict:
     verdict = ("no interval" if not np.isfinite(lo) else "grows with scale" if lo > 0 else
                "shrinks with scale" if hi < 0 else "no trend detected")
     crossings = [c for c in rows["crossover"] if c]
-    return {"sizes": len(rows), "slope": slope, "lo": float(lo), "hi": float(hi), "verdict": verdict,
+    return {"sizes": len(rows), "extrapolated": int(rows["extrapolated"].astype(bool).sum()), "slope": slope,
+            "lo": float(lo), "hi": float(hi), "verdict": verdict,
             "crossovers": "; ".join(f"{c} to N={n:.3g}" for c, n in zip(rows["crossover"], rows["N"]) if c)
             if crossings else "none", "n_boot_ok": int(fine.sum())}
 
@@ -212,8 +214,8 @@ def compute_multipliers(df: pd.DataFrame, baseline: str = "baseline", variant_co
     per_size_rows = (pd.concat(sizes, ignore_index=True) if sizes else pd.DataFrame(columns=[*points.columns,
                      "multiplier", "lo", "hi", "n_boot_ok", "extrapolated", "crossover"]))
     return Multipliers(baseline=baseline, points=points, noise=noise, per_size=per_size_rows,
-                       trends=pd.DataFrame(trends, columns=["variant", "sizes", "slope", "lo", "hi", "verdict",
-                                                            "crossovers", "n_boot_ok"]),
+                       trends=pd.DataFrame(trends, columns=["variant", "sizes", "extrapolated", "slope", "lo", "hi",
+                                                            "verdict", "crossovers", "n_boot_ok"]),
                        fits=pd.DataFrame(fits, columns=FIT_COLUMNS), curves=curves)
 
 

@@ -359,7 +359,8 @@ def plan_text(noise: PilotNoise, args, val_tokens: Sequence[int]) -> str:
                   f"on its device; `fits_a_slice`: one run within {args.slice_minutes:g} minutes.", "",
                   markdown_table(cost), "",
                   f"In all {int(total['runs'])} runs, {total['device_minutes']:.0f} device minutes "
-                  f"({total['device_minutes'] / 60:.1f} hours), at least {math.ceil(total['device_minutes'] / args.slice_minutes)} "
+                  f"({total['device_minutes'] / 60:.1f} hours), at least "
+                  f"{math.ceil(total['device_minutes'] / args.slice_minutes)} "
                   f"slices of {args.slice_minutes:g} minutes" + ("." if total["fits_a_slice"] else
                                                                  "; some runs are longer than a slice."), ""]
     return "\n".join(lines).rstrip()

@@ -175,7 +175,8 @@ def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N",
     bx.scatter(v["C"], v["N_opt"], color="C0", zorder=3)
     cg = np.geomspace(v["C"].min(), v["C"].max(), 50)
     ci = fit.ci()
-    lab = f"N_opt ∝ C^{fit.a:.3f}" + (f" [{ci.loc['a', 'lo']:.3f}, {ci.loc['a', 'hi']:.3f}]" if np.isfinite(ci.loc["a", "lo"]) else "")
+    interval = f" [{ci.loc['a', 'lo']:.3f}, {ci.loc['a', 'hi']:.3f}]" if np.isfinite(ci.loc["a", "lo"]) else ""
+    lab = f"N_opt ∝ C^{fit.a:.3f}" + interval
     bx.plot(cg, fit.n_opt(cg), color="C0", label=lab)
     bx.set_xscale("log")
     bx.set_yscale("log")

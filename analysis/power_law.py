@@ -10,16 +10,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def pareto_frontier(c, loss) -> np.ndarray:
-    """Boolean mask of the points no cheaper-or-equal point beats (the compute-efficient frontier)."""
+def pareto_frontier(c, loss, rtol: float = 1e-4) -> np.ndarray:
+    """Boolean mask of the compute-efficient frontier: the points that no point of at most the same compute
+    beats. Computes within `rtol` of each other count as the same (an isoFLOP grid's C = 6 N D, with N an
+    integer, differs from its budget in the sixth digit), so a budget keeps its best point alone."""
     c, loss = np.asarray(c, float), np.asarray(loss, float)
-    order = np.lexsort((loss, c))
-    mask = np.zeros(len(c), bool)
-    best = np.inf
-    for i in order:
-        if loss[i] < best:
-            mask[i], best = True, loss[i]
-    return mask
+    beaten = (c[None, :] <= c[:, None] * (1 + rtol)) & (loss[None, :] < loss[:, None])  # [i, j]: j beats i
+    return ~beaten.any(1)
 
 
 @dataclass

@@ -33,7 +33,8 @@ import pandas as pd
 from analysis import plots
 from analysis.ablate import (add_ablation_args, display_table, parse_baseline, print_ablation, read_primary,
                              table_from_args)
-from analysis.approach3 import bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, leave_largest_out, size_groups
+from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, leave_largest_out,
+                                size_groups)
 from analysis.cells import BOOKKEEPING, variant_labels
 from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect,
                               runs_to_scaling, scaling_table_from_args, select_rows)
@@ -432,6 +433,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
         rep.add("**Trend.** The slope of log multiplier against log C over a variant's sizes (least squares), with its "
                 "interval from the same replicates: > 0 the gain grows with scale, < 0 it shrinks.")
         rep.table(pd.DataFrame({"variant": tr["variant"], "sizes": tr["sizes"],
+                                "of them extrapolated": tr["extrapolated"],
                                 "slope [95% CI]": [_ci(*x) for x in zip(tr["slope"], tr["lo"], tr["hi"])],
                                 "verdict": tr["verdict"], "crossovers": tr["crossovers"]}))
     fits = mult.fits

@@ -170,8 +170,8 @@ def write_scaling_ladder(root: Path, multiplier: float = 2.0, sizes=None, ratio:
     rng = np.random.default_rng(rng_seed)
     sizes = np.geomspace(1e5, 3e7, 7) if sizes is None else np.asarray(sizes, float)
     truth = {float(int(n)): multiplier * (n / sizes[0]) ** (2 * growth) for n in sizes}  # C = 6 ratio N^2
-    for label, sw, tps in (("base", dict(DEFAULT_BASELINE), 1e4),
-                           (f"{variant[0]}-{variant[1]}", {**DEFAULT_BASELINE, variant[0]: variant[1]}, 1e4 * throughput)):
+    option = {**DEFAULT_BASELINE, variant[0]: variant[1]}
+    for label, sw, tps in (("base", dict(DEFAULT_BASELINE), 1e4), (f"{variant[0]}-{variant[1]}", option, 1e4 * throughput)):
         for n in sizes:
             scale = 1.0 if label == "base" else np.sqrt(truth[float(int(n))])
             for s in seeds:

@@ -98,7 +98,8 @@ def pick_tuned(s, opt, cell_name, settings, setting_cols, vary, tuned_cols, metr
     edge, beyond = _edges(cands[best][0], keys, setting_cols, strip)
     for i, (k, g, m, nt) in enumerate(cands):
         tune_seeds = ",".join(map(str, sorted(g.loc[is_tune(g["seed"]), "seed"].unique())))
-        tuning.append({"switch": s, "cell": cell_name, "option": opt, "setting": setting_label(k, setting_cols, vary, strip),
+        tuning.append({"switch": s, "cell": cell_name, "option": opt,
+                       "setting": setting_label(k, setting_cols, vary, strip),
                        "rate": rate_label(g, tuned_cols, strip), "n_tune": nt, "mean_tune": m, "chosen": i == best,
                        "grid_edge": edge if i == best else "", "command": _command(g, report_seeds) if i == best else "",
                        "widen": _command(g, tune_seeds, beyond) if i == best and beyond else ""})
