@@ -42,6 +42,7 @@ from analysis.headline import MIN_MFU, display_headline, headline
 from analysis.isoflop import fit_isoflop, flop_budgets
 from analysis.multipliers import Multipliers, compute_multipliers
 from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
+from analysis.plan import paired_comparisons, window_sd
 from analysis.stats import ALPHA, POWER
 from analysis.tables import fmt, markdown_table
 from analysis.tuning import TUNE_SEED_MIN, tuning_table
@@ -158,7 +159,7 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
             "**The test, chosen before the data:** two-sided paired t-test of the per-seed differences (a seed "
             "fixes both the initialisation and the data order, so it pairs an option's run with the baseline's); "
             "Welch's t-test only for a row whose seeds are not the baseline's.", "",
-            primary_text(table, args.primary))
+            primary_text(table, args.primary), "", validation_text(table, col, args.metric))
     if args.tune:
         rep.add(f"**Tuned comparison.** Each option at its own best setting of the rates ({args.tuned}) and of its "
                 "own group's keys: the lowest mean metric on the tuning seeds (" +
@@ -214,6 +215,27 @@ def primary_text(table: pd.DataFrame, path: Optional[str]) -> str:
     return (f"**Primary comparisons** (declared in `{path}`): {', '.join(table.attrs['primary'])}; `p (Holm)` is "
             f"adjusted over their {n} tests alone. Every other row is exploratory: its p-value is uncorrected and "
             "decides nothing.")
+
+
+def validation_text(table: pd.DataFrame, col: Collection, metric: str) -> str:
+    """The runs' validation size and the noise it leaves in a paired difference (analysis.plan: estimated from
+    the training losses of same-seed run pairs), in words; empty where the runs do not tell."""
+    runs = col.runs
+    if not {"config.data.val_tokens", "config.data.seq_len"} <= set(runs.columns):
+        return ""
+    seq_len = float(runs["config.data.seq_len"].median())
+    windows = float((runs["config.data.val_tokens"] // runs["config.data.seq_len"]).median())
+    text = f"**Validation set:** {windows * seq_len:,.0f} tokens per run ({windows:g} windows of {seq_len:g})."
+    comparisons = paired_comparisons(table, runs, metric)
+    if comparisons.empty or col.curves.empty:
+        return text
+    sd, pairs = window_sd([p for ps in comparisons["pairs"] for p in ps], runs, col.curves)
+    if not pairs:
+        return text
+    million = 2 ** 20 / seq_len
+    return (text + f" The part of a paired difference's sd that comes from so many windows: {sd / np.sqrt(windows):.3g} "
+            f"nats (sd per window {sd:.3g}, from the training losses of {pairs} same-seed run pairs; analysis.plan); "
+            f"a validation set of 1M tokens would leave {sd / np.sqrt(million):.3g}.")
 
 
 def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[Multipliers],

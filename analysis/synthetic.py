@@ -55,7 +55,7 @@ def run_config(switches: dict, seed: int, model: str, run_name: str, group: str,
            "train": {"max_steps": steps, "val_every": 50, "log_every": 10},
            "model": {"name": model, "n_layers": 4, "d_model": 128, "init_std": 0.02},
            **{sw: {"name": opt, **GROUP_SETTINGS.get((sw, opt), {})} for sw, opt in switches.items()},
-           "data": {"name": "synthetic", "seq_len": 256, "batch_size": 16},
+           "data": {"name": "synthetic", "seq_len": 256, "batch_size": 16, "val_tokens": 65536},
            "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true", "deterministic": None},
            "logger": {"wandb": False}}
     return _merge(cfg, config or {})

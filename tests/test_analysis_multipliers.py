@@ -332,5 +332,6 @@ def test_holm_runs_over_the_primary_comparisons_alone(tmp_path):
     text = report([str(tmp_path / "sweep"), "--primary", str(study), "--out", str(out), "--formats", "png"]).read_text()
     assert "**Primary comparisons** (declared in" in text and "over their 2 tests alone" in text
     assert "**The test, chosen before the data:** two-sided paired t-test" in text
+    assert "**Validation set:** 65,536 tokens per run (256 windows of 256). The part of a paired difference" in text
     assert json.loads(pd.read_csv(out / "headline.csv")["family"].value_counts().to_json()) == {
         "exploratory": 3, "primary": 2}

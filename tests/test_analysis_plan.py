@@ -51,7 +51,7 @@ def test_the_pilot_spread_is_the_pooled_sd_of_its_per_seed_differences(tmp_path)
     pooled = np.sqrt(np.mean([np.var(d, ddof=1) for d in diffs.values()]))
     assert len(noise.comparisons) == 5 and noise.dof == 10
     assert noise.sd_diff == pytest.approx(pooled, rel=1e-9)
-    assert np.isnan(noise.val_windows)  # the synthetic config has no data.val_tokens
+    assert noise.val_windows == 65536 / 256  # data.val_tokens / data.seq_len
 
 
 def test_the_window_term_is_recovered_from_the_training_losses_of_same_seed_runs():
