@@ -2,8 +2,9 @@
 
     runs    one row per usable run: every summary.json field, `switches` flattened into one column per
             switch (decay, glu, ...), other nested dicts as "versions.torch"-style columns, the resolved
-            config as "config.<group>.<key>" columns, the overrides (a JSON list), plus run_id, path and
-            read_note (what could not be read, empty when everything could).
+            config as "config.<group>.<key>" columns, the overrides (a JSON list), plus run_id, path,
+            read_note (what could not be read, empty when everything could) and mfu_median (the median of
+            the run's logged speed/mfu, where summary.json has none).
     curves  long table of metrics.jsonl: run_id, step, tokens, flops, metric, value.
     dirs    every directory given or found: used, partially read (a completed run whose metrics.jsonl is
             missing or truncated: its summary and good lines count) or skipped, with the reason.
@@ -235,6 +236,9 @@ def collect(paths: Iterable[str | os.PathLike], include_config: bool = True, cur
         if state == "skipped":
             continue
         row = {"run_id": rid, "path": str(d), **summary_row(summary), "read_note": reason}
+        if "mfu_median" not in row:  # the run's utilisation: the median of its logged speed/mfu
+            mfu = [r["speed/mfu"] for r in records if isinstance(r.get("speed/mfu"), (int, float))]
+            row["mfu_median"] = float(np.median(mfu)) if mfu else np.nan
         if include_config and (d / "config.yaml").exists():
             row.update(_read_config(d / "config.yaml"))
         if (d / "overrides.yaml").exists():

@@ -110,7 +110,7 @@ def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, fron
     label's range (label = value of `color_by`); extra_curves: {label: callable(C) -> loss} drawn dashed
     over the whole range (e.g. approach 3's compute-optimal frontier). frontier: the Pareto frontier of
     the points as a step line."""
-    from analysis.scaling import pareto_frontier
+    from analysis.power_law import pareto_frontier
 
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     cmin, cmax = points[c_col].min(), points[c_col].max()
@@ -175,7 +175,8 @@ def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N",
     bx.scatter(v["C"], v["N_opt"], color="C0", zorder=3)
     cg = np.geomspace(v["C"].min(), v["C"].max(), 50)
     ci = fit.ci()
-    lab = f"N_opt ∝ C^{fit.a:.3f}" + (f" [{ci.loc['a', 'lo']:.3f}, {ci.loc['a', 'hi']:.3f}]" if "a" in ci.index else "")
+    interval = f" [{ci.loc['a', 'lo']:.3f}, {ci.loc['a', 'hi']:.3f}]" if np.isfinite(ci.loc["a", "lo"]) else ""
+    lab = f"N_opt ∝ C^{fit.a:.3f}" + interval
     bx.plot(cg, fit.n_opt(cg), color="C0", label=lab)
     bx.set_xscale("log")
     bx.set_yscale("log")
@@ -195,7 +196,7 @@ def plot_ablation(table: pd.DataFrame):
     """Point plot of delta (option - baseline) with 95% CI, one panel per switch, one row per (option,
     cell, setting). Colour by the table's verdict: red worse, green better (Holm-adjusted p < alpha), grey
     not significant or untested; a legend says so. table: analysis.ablate.ablation_table output."""
-    from analysis.ablate import fmt
+    from analysis.tables import fmt
 
     t = table[table["test"] != "baseline"]
     if t.empty:
@@ -258,7 +259,7 @@ def plot_maxvio(curves: pd.DataFrame, runs: pd.DataFrame, by: str = "balance", m
 def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, level: float = 0.95):
     """Approach 3's compute-optimal allocation per fit: N_opt(C) (left) and D_opt/N_opt (right), with
     bootstrap percentile bands. fits: {label: ChinchillaFit}; boots: {label: ChinchillaBootstrap}."""
-    from analysis.scaling import THETA_NAMES, optimal_allocation
+    from analysis.approach3 import THETA_NAMES, optimal_allocation
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.6))
     q = (1 - level) / 2
@@ -289,23 +290,31 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
     return fig
 
 
-def plot_multipliers(mult: pd.DataFrame):
-    """Compute multipliers with bootstrap intervals: separate fits at each budget (points joined by
-    lines) and the shared-exponent multiplier (horizontal band), per variant."""
+def plot_multipliers(mult):
+    """Compute multipliers against the baseline per variant: each size's multiplier with its seed-noise
+    interval against C (open markers where the baseline's curve is extended beyond its points), and the
+    shared fit's multiplier as a band only where that fit is adequate. mult: analysis.multipliers.Multipliers."""
     fig, ax = plt.subplots(figsize=(5.6, 3.6))
-    for i, (v, g) in enumerate(mult.groupby("variant", sort=False)):
+    for i, (v, g) in enumerate(mult.per_size.groupby("variant", sort=False)):
         col = PALETTE[i % len(PALETTE)]
-        sep = g[g["kind"] == "separate"].sort_values("C")
-        ax.errorbar(sep["C"], sep["multiplier"], yerr=[(sep["multiplier"] - sep["lo"]).clip(lower=0),
-                                                      (sep["hi"] - sep["multiplier"]).clip(lower=0)],
-                    color=col, marker="o", capsize=3, label=f"{v} (separate fits)")
-        sh = g[g["kind"] == "shared"].iloc[0]
-        ax.axhline(sh["multiplier"], color=col, ls="--", lw=1, label=f"{v} shared: {sh['multiplier']:.3g}")
-        ax.axhspan(sh["lo"], sh["hi"], color=col, alpha=0.12)
+        g = g.sort_values("C")
+        err = [(g["multiplier"] - g["lo"]).clip(lower=0).fillna(0), (g["hi"] - g["multiplier"]).clip(lower=0).fillna(0)]
+        ax.errorbar(g["C"], g["multiplier"], yerr=err, color=col, capsize=3, lw=1, label=f"{v} per size")
+        ext = g["extrapolated"].astype(bool).to_numpy()
+        ax.scatter(g["C"][~ext], g["multiplier"][~ext], color=col, zorder=3)
+        ax.scatter(g["C"][ext], g["multiplier"][ext], facecolors="white", edgecolors=col, zorder=3)
+        fit = mult.fits[(mult.fits["kind"] == "shared") & (mult.fits["variant"] == v)]
+        if len(fit) and fit["verdict"].iloc[0] == "adequate":
+            f = fit.iloc[0]
+            ax.axhline(f["multiplier"], color=col, ls="--", lw=1, label=f"{v} shared fit: {f['multiplier']:.3g}")
+            if np.isfinite(f["lo"]):
+                ax.axhspan(f["lo"], f["hi"], color=col, alpha=0.12)
     ax.axhline(1, color="k", lw=0.8)
     ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log(ax.yaxis)
     _decade_labels(ax.xaxis)
-    ax.set_xlabel("training FLOPs C")
+    ax.set_xlabel("training FLOPs C of the variant's point")
     ax.set_ylabel("compute multiplier vs baseline")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")

@@ -5,13 +5,16 @@
         --drop-highest 5 --out reports/chinchilla            # scaling-only report
 
 Sections (each only when the data allow it): every run directory (used, partially read, skipped and
-why); the headline per switch option (delta at the largest size, compute multiplier, throughput and
-wall-clock multipliers); the ablation table (cells, Holm-adjusted p-values, minimum detectable effects,
-parameters and FLOPs per token against the baseline; with --tune each option at its own best rate, and
-the tuning table) and its figures (deltas, loss curves against step / tokens / FLOPs per switch, MoE
-MaxVio); approach 3 with bootstrap intervals, the compute-optimal allocation and a leave-largest-size-out
-check, for all rows and for every `--subset`; approach 2 (isoFLOP parabolas); L(C) per variant and compute
-multipliers. N and C have one definition each for all of them (--n, --c; analysis.collect.N_DEFINITIONS).
+why); the headline per switch option (analysis.headline: delta at the largest size, per-size compute
+multipliers and their trend, the fitted multiplier where its fit is adequate, throughput with its
+utilisation, wall-clock multipliers); the ablation table (cells, the primary comparisons and their Holm
+family, minimum detectable effects, parameters and FLOPs per token against the baseline; with --tune each
+option at its own best rate, and the tuning table) and its figures (deltas, loss curves against step /
+tokens / FLOPs per switch, MoE MaxVio); approach 3 with bootstrap intervals, its test against seed noise,
+the compute-optimal allocation and a leave-largest-size-out check, for all rows and for every `--subset`;
+approach 2 (isoFLOP parabolas); the seed noise, L(C) per variant with the fit tests, and the compute
+multipliers (analysis.multipliers; multipliers.csv). N and C have one definition each for all of them
+(--n, --c; analysis.collect.N_DEFINITIONS).
 
 A source that does not exist stops the command with one line before anything is written.
 """
@@ -28,14 +31,21 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.ablate import (ALPHA, BOOKKEEPING, POWER, TUNE_SEED_MIN, _parse_baseline, add_ablation_args,
-                             display_headline, display_table, fmt, headline, markdown_table, print_ablation,
-                             table_from_args, tuning_table, variant_labels)
+from analysis.ablate import (add_ablation_args, display_table, parse_baseline, print_ablation, read_primary,
+                             table_from_args)
+from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, leave_largest_out,
+                                size_groups)
+from analysis.cells import BOOKKEEPING, variant_labels
 from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect,
                               runs_to_scaling, scaling_table_from_args, select_rows)
-from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              fit_loss_vs_compute, flop_budgets, flops_per_param_token, leave_largest_out,
-                              pareto_frontier, size_groups)
+from analysis.headline import MIN_MFU, display_headline, headline
+from analysis.isoflop import fit_isoflop, flop_budgets
+from analysis.multipliers import Multipliers, compute_multipliers
+from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
+from analysis.plan import paired_comparisons, window_sd
+from analysis.stats import ALPHA, POWER
+from analysis.tables import fmt, markdown_table
+from analysis.tuning import TUNE_SEED_MIN, tuning_table
 
 
 class Report:
@@ -85,10 +95,6 @@ class Report:
                 (self.out / stale).unlink(missing_ok=True)
         manifest.write_text("\n".join(sorted(self.written)) + "\n")
         return path
-
-
-def _ci(v, lo, hi, digits: int = 4) -> str:
-    return f"{fmt(v, digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
 
 
 def default_budgets(c: np.ndarray) -> np.ndarray:
@@ -145,11 +151,15 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
             "own group" + (", optim.lr, optim.adam_lr and optim.lr_scale" if args.tune else "") + "), and whose "
             f"{', '.join(c for c in args.match.split(',') if c in table.columns)} are equal; `cell` names what "
             "differs between the cells of a switch. Mean with Student-t 95% CI over seeds; delta with 95% CI and "
-            "p-value from a paired t-test when the seeds match, else Welch's t-test; `p (Holm)` adjusted over the "
-            f"{table.attrs['n_comparisons']} comparisons of this report (Holm-Bonferroni), the verdict decided on "
-            f"it at {ALPHA}; MDE: the smallest |delta| the test used detects with power {POWER} at alpha {ALPHA} "
-            "given the row's n and spread. `N / base`, `FLOPs/token / base`, `tokens/s / base`: active "
-            f"parameters ({N_DEFINITIONS[args.n_def]}), FLOPs per token and throughput against the baseline row.")
+            f"p-value; the verdict decided on `p (Holm)` at {ALPHA}; MDE: the smallest |delta| the test used detects "
+            f"with power {POWER} at alpha {ALPHA} given the row's n and spread. `N / base`, `FLOPs/token / base`, "
+            f"`tokens/s / base`: active parameters ({N_DEFINITIONS[args.n_def]}), FLOPs per token and throughput "
+            "against the baseline row; `MFU`: the lower of the two rows' median utilisation (speed/mfu), where "
+            "logged and the runs had their device alone.", "",
+            "**The test, chosen before the data:** two-sided paired t-test of the per-seed differences (a seed "
+            "fixes both the initialisation and the data order, so it pairs an option's run with the baseline's); "
+            "Welch's t-test only for a row whose seeds are not the baseline's.", "",
+            primary_text(table, args.primary), "", validation_text(table, col, args.metric))
     if args.tune:
         rep.add(f"**Tuned comparison.** Each option at its own best setting of the rates ({args.tuned}) and of its "
                 "own group's keys: the lowest mean metric on the tuning seeds (" +
@@ -196,22 +206,57 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
     return table
 
 
-def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[pd.DataFrame],
-                     speed: Optional[pd.DataFrame] = None) -> None:
-    h = headline(table, mult, speed)
+def primary_text(table: pd.DataFrame, path: Optional[str]) -> str:
+    """The Holm family of the report, in words."""
+    n = table.attrs["n_comparisons"]
+    if not table.attrs.get("primary"):
+        return (f"**Holm family:** no primary comparisons declared (--primary), so all {n} comparisons of this "
+                "report form one family.")
+    return (f"**Primary comparisons** (declared in `{path}`): {', '.join(table.attrs['primary'])}; `p (Holm)` is "
+            f"adjusted over their {n} tests alone. Every other row is exploratory: its p-value is uncorrected and "
+            "decides nothing.")
+
+
+def validation_text(table: pd.DataFrame, col: Collection, metric: str) -> str:
+    """The runs' validation size and the noise it leaves in a paired difference (analysis.plan: estimated from
+    the training losses of same-seed run pairs), in words; empty where the runs do not tell."""
+    runs = col.runs
+    if not {"config.data.val_tokens", "config.data.seq_len"} <= set(runs.columns):
+        return ""
+    seq_len = float(runs["config.data.seq_len"].median())
+    windows = float((runs["config.data.val_tokens"] // runs["config.data.seq_len"]).median())
+    text = f"**Validation set:** {windows * seq_len:,.0f} tokens per run ({windows:g} windows of {seq_len:g})."
+    comparisons = paired_comparisons(table, runs, metric)
+    if comparisons.empty or col.curves.empty:
+        return text
+    sd, pairs = window_sd([p for ps in comparisons["pairs"] for p in ps], runs, col.curves)
+    if not pairs:
+        return text
+    million = 2 ** 20 / seq_len
+    return (text + f" The part of a paired difference's sd that comes from so many windows: {sd / np.sqrt(windows):.3g} "
+            f"nats (sd per window {sd:.3g}, from the training losses of {pairs} same-seed run pairs; analysis.plan); "
+            f"a validation set of 1M tokens would leave {sd / np.sqrt(million):.3g}.")
+
+
+def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[Multipliers],
+                     speed: Optional[pd.DataFrame], min_mfu: float) -> None:
+    h = headline(table, mult, speed, min_mfu)
     if h.empty:
         return
     h.to_csv(rep.path("headline.csv"), index=False)
-    ladder = ("" if mult is not None else " No ladder per variant here, so no compute multiplier: run a size ladder "
-              "(sweeps/scaling_ladder.yaml) of the baseline and of the option to get one.")
+    ladder = ("" if mult is not None else " No ladder of the baseline here, so no compute multiplier: run a size "
+              "ladder (sweeps/scaling_ladder.yaml) of the baseline and of the option to get one.")
     rep.insert(at, "## Headline",
-               "Per switch option: the delta at the largest model size with its 95% CI and verdict (from the ablation "
-               "table), the compute multiplier from the L(C) fits of its ladder (shared exponent; > 1: the baseline "
-               "needs that many times the FLOPs for the option's loss), the throughput of the same runs against the "
-               "baseline's (tokens/s, and FLOPs per token; where those runs shared a GPU, from the --speed runs of "
-               "the same size, each option alone), and the wall-clock multiplier = compute multiplier x "
-               "tokens/s ratio x FLOPs/token ratio (the ratio of FLOPs per second): how much sooner the option "
-               "reaches the loss (> 1: sooner); its interval is the multiplier's." + ladder,
+               "Per switch option: the delta at the largest model size with a 95% CI and its verdict (from the "
+               "ablation table); the compute multiplier at each size of the option's ladder (> 1: the baseline needs "
+               "that many times the FLOPs for the option's loss; * where the baseline's curve is extended beyond its "
+               "points) with its seed-noise interval, and its trend over sizes; the multiplier of the shared "
+               "L(C) fit only where that fit is adequate against the seed noise (*Compute multipliers* below); the "
+               "throughput against the baseline's from runs each alone on its device (where the ablation's runs "
+               "shared a GPU, from the --speed runs of the same size), beside their utilisation; and the wall-clock "
+               "multiplier = compute multiplier x tokens/s ratio x FLOPs/token ratio (> 1: the option reaches the "
+               f"loss sooner), given only at a utilisation of {100 * min_mfu:g}% or more (below it the step time is "
+               "mostly launches and host work, which do not scale with the model)." + ladder, "",
                markdown_table(display_headline(h)), "", "Table: [headline.csv](headline.csv).")
 
 
@@ -231,6 +276,13 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
             f"(converged: {fit.converged}). "
             + (f"Bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged (seed {args.seed}; "
                "refit from the best point; non-converged dropped)." if boot else ""))
+    points = points_table(df, seed_col="seed")
+    noise = SeedNoise.given(args.seed_noise) if args.seed_noise else pooled_noise(points)
+    test = adequacy(points["loss"] - fit.predict(points["N"], points["D"]), points["n"], noise, 5)
+    rep.add("Against the seed noise (" + (f"sd {noise.sd:.4g}, {noise.source}" if noise.known else noise.source)
+            + f"), at the {len(points)} point means: " + (
+                f"chi2 {test.chi2:.4g} on {test.dof} dof, p {fmt(test.p, 3)}: **{test.verdict}**." if test.dof and
+                noise.known else f"**not tested** ({'no degrees of freedom left' if noise.known else 'no noise'})."))
     ci = boot.ci() if boot else None
     vals = {"E": fit.E, "A": fit.A, "B": fit.B, "alpha": fit.alpha, "beta": fit.beta, "a_exp": fit.a_exp}
     rows = []
@@ -360,42 +412,78 @@ def section_isoflop(rep: Report, df: pd.DataFrame, args) -> None:
     rep.figure(plots.plot_isoflop(df, iso, budget), "isoflop", "isoFLOP parabolas and N_opt against C")
 
 
-def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[pd.DataFrame]:
-    """L(C) per variant and the compute multipliers against the baseline variant (returned; None when there
-    is no ladder of the baseline and of another variant)."""
+def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipliers]:
+    """Seed noise, L(C) per variant with its tests, and the compute multipliers against the baseline variant
+    (returned; None when there is no baseline with two sizes and another variant). Writes multipliers.csv."""
     if "variant" not in df or df["variant"].nunique() < 2:
         return None
-    if len(rep.lines) and not any(l.startswith("## Scaling") for l in rep.lines):
+    if len(rep.lines) and not any(line.startswith("## Scaling") for line in rep.lines):
         rep.add("## Scaling laws", definitions(args))
     base = args.baseline_variant
-    pts = []
-    for v, g in df.groupby("variant", sort=False):
-        g = g[pareto_frontier(g["C"], g["loss"])] if args.lc_points == "frontier" else g
-        pts.append(g)
-    pts = pd.concat(pts)
-    counts = pts.groupby("variant").size()
-    ok = counts[counts >= 4].index
-    pts = pts[pts["variant"].isin(ok)]
-    if base not in ok or len(ok) < 2:
-        rep.add("### Loss against compute per variant",
-                f"Skipped: needs the baseline '{base}' and another variant with >= 4 {args.lc_points} points each "
-                f"(have {counts.to_dict()}).")
+    noise = SeedNoise.given(args.seed_noise) if args.seed_noise else None
+    try:
+        mult = compute_multipliers(df, base, seed_col="seed", noise=noise, select=args.lc_points,
+                                   n_boot=args.n_boot_multipliers, seed=args.seed)
+    except ValueError as e:
+        rep.add("### Compute multipliers", f"Skipped: {e}.")
         return None
-    fits = {v: fit_loss_vs_compute(g["C"], g["loss"]) for v, g in pts.groupby("variant", sort=False)}
-    rep.add("### Loss against compute per variant",
-            f"L(C) = L_inf + A (C/C0)^-alpha fitted in log space on each variant's {args.lc_points} points.")
-    rep.table(pd.DataFrame([{"variant": v, "points": int(counts[v]), "L_inf": f.L_inf, "A": f.A, "alpha": f.alpha,
-                             "C0": f.C0} for v, f in fits.items()]))
-    mult = compute_multipliers(pts, base, n_boot=args.n_boot_small, seed=args.seed, progress=True)
-    rep.add("Compute multiplier against the baseline (how much more compute the baseline needs for the variant's "
-            "loss; > 1: the variant is better). *separate*: curves fitted independently, at each budget; *shared*: "
-            "L_inf and alpha shared, budget-invariant (A_base/A_var)^(1/alpha). 95% bootstrap intervals.")
-    shown = mult.assign(**{"95% CI": [f"[{fmt(a)}, {fmt(b)}]" for a, b in zip(mult["lo"], mult["hi"])]})
-    rep.table(shown[["variant", "kind", "C", "multiplier", "95% CI", "n_boot_ok"]])
-    rep.figure(plots.plot_loss_vs_compute(pts, fits=fits, color_by="variant", title="L(C) per variant"),
-               "loss_vs_compute_variants", "L(C) per variant with fitted curves and the frontier")
-    rep.figure(plots.plot_multipliers(mult), "compute_multipliers", "Compute multipliers with 95% intervals")
+    if mult.per_size.empty:
+        rep.add("### Compute multipliers", f"Skipped: the baseline '{base}' has fewer than two sizes.")
+        return None
+    pts = mult.points
+    rep.add("### Compute multipliers",
+            f"Points: the runs of one variant, N and D, their loss the mean over seeds ({args.lc_points} points of each "
+            "variant used). **Seed noise**: "
+            + (f"sd = {mult.noise.sd:.4g} of one run's loss, {mult.noise.source}. " if mult.noise.known else
+               f"{mult.noise.source}, and no --seed-noise given: no intervals and no fit tests. ")
+            + "A point with one seed is given this spread too (the same for every variant and size). Every interval "
+            f"below is a 95% percentile interval of a parametric bootstrap ({args.n_boot_multipliers} replicates) in "
+            "which each point keeps its place and its mean moves by the seed noise over the square root of its seeds "
+            "(the noise's own uncertainty drawn too): never from dropping points.")
+    shown = pts.assign(_other=pts["variant"] != base).sort_values(["_other", "variant", "C"]).drop(columns="_other")
+    quiet = [c for c, v in (("repeats", shown["repeats"].any()), ("used", not shown["used"].all())) if not v]
+    rep.table(shown.drop(columns=quiet))  # repeated seeds and unused points, only where there are any
+    rep.add("**Per size.** At each point of a variant, how much more compute the baseline needs to reach the "
+            "variant's mean loss, read off the baseline's own points interpolated in log C against log L (> 1: the "
+            "variant is better); `extrapolated` where the baseline's end segment is extended beyond its points.")
+    ps = mult.per_size
+    rep.table(pd.DataFrame({"variant": ps["variant"], "N": ps["N"], "C": ps["C"], "seeds": ps["n"], "loss": ps["loss"],
+                            "multiplier [95% CI]": [_ci(*x) for x in zip(ps["multiplier"], ps["lo"], ps["hi"])],
+                            "extrapolated": ps["extrapolated"], "crossover": ps["crossover"]}))
+    if not mult.trends.empty:
+        tr = mult.trends
+        rep.add("**Trend.** The slope of log multiplier against log C over a variant's sizes (least squares), with its "
+                "interval from the same replicates: > 0 the gain grows with scale, < 0 it shrinks.")
+        rep.table(pd.DataFrame({"variant": tr["variant"], "sizes": tr["sizes"],
+                                "of them extrapolated": tr["extrapolated"],
+                                "slope [95% CI]": [_ci(*x) for x in zip(tr["slope"], tr["lo"], tr["hi"])],
+                                "verdict": tr["verdict"], "crossovers": tr["crossovers"]}))
+    fits = mult.fits
+    rep.add("**L(C) fits against the seed noise.** L(C) = L_inf + A (C/C0)^-alpha, weighted least squares on the "
+            "point means: `own` per variant (>= 4 points), `shared` L_inf and alpha with the baseline (one A each). "
+            "chi2 = sum of seeds x residual^2 / sd^2 on points - parameters degrees of freedom, its p-value from F "
+            "(the noise estimated) or chi-square (given); `inadequate` at p < 0.05. The shared fit's multiplier "
+            "(A_base / A_var)^(1/alpha) holds at every C only where that fit is adequate; an inadequate fit's "
+            "multiplier is shown for the record, not as a result.")
+    rep.table(pd.DataFrame({"fit": fits["kind"], "variant": fits["variant"], "points": fits["points"],
+                            "L_inf": fits["L_inf"], "alpha": fits["alpha"], "A": fits["A"],
+                            "multiplier [95% CI]": [_ci(*x) if k == "shared" else "" for k, *x in zip(
+                                fits["kind"], fits["multiplier"], fits["lo"], fits["hi"])],
+                            "chi2": fits["chi2"], "dof": fits["dof"], "p": fits["p"], "verdict": fits["verdict"]}))
+    mult.table().to_csv(rep.path("multipliers.csv"), index=False)
+    rep.add("Table (one row per variant and size, method per_size, and one per variant for the shared fit, method "
+            "fit): [multipliers.csv](multipliers.csv).")
+    used = pts[pts["used"]]
+    rep.figure(plots.plot_loss_vs_compute(used, fits=mult.curves, color_by="variant", title="L(C) per variant"),
+               "loss_vs_compute_variants", "L(C) per variant: point means, each variant's own fit, the frontier")
+    rep.figure(plots.plot_multipliers(mult), "compute_multipliers",
+               "Compute multipliers per size with seed-noise 95% intervals (open: extrapolated); adequate shared "
+               "fits as bands")
     return mult
+
+
+def _ci(v, lo, hi) -> str:
+    return fmt(v) + (f" [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else "")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,7 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_ablation_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
     p.add_argument("--n-boot", type=int, default=400, help="approach-3 bootstrap replicates (0 = none)")
-    p.add_argument("--n-boot-small", type=int, default=200, help="bootstrap replicates for approach 2 and multipliers")
+    p.add_argument("--n-boot-small", type=int, default=200, help="bootstrap replicates of approach 2")
+    p.add_argument("--n-boot-multipliers", type=int, default=2000,
+                   help="parametric bootstrap replicates of the compute multipliers and their trend (seed noise)")
+    p.add_argument("--seed-noise", type=float, default=None, metavar="SD",
+                   help="the seed-to-seed sd of one run's loss, taken as exact, instead of the one pooled over the "
+                        "points with >= 2 seeds (e.g. for a table with no seeds)")
+    p.add_argument("--min-mfu", type=float, default=MIN_MFU,
+                   help="the utilisation (MFU, 0-1) below which the headline gives no wall-clock multiplier")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--budgets", default=None, help="FLOP budgets for the allocation tables, e.g. 1e18,1e20,1e22")
     p.add_argument("--subset", action="append", default=[],
@@ -425,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-variant", default="baseline", help="variant the multipliers are relative to")
     p.add_argument("--formats", default="png,svg", help="figure formats (png is always written)")
     p.add_argument("--lc-points", default="frontier", choices=["frontier", "all"],
-                   help="points of each variant used for L(C): its Pareto frontier or all runs")
+                   help="points of each variant used for L(C) and the multipliers: its Pareto frontier or all")
     return p
 
 
@@ -438,7 +533,12 @@ def main(argv: Optional[list[str]] = None) -> Path:
             df = scaling_table_from_args(args)
         else:
             col = collect(args.paths, verbose=True)
+            read_primary(args.primary, col.runs)
         speed_runs = collect(args.speed, curves=False).runs if args.speed else None
+        if args.seed_noise is not None and not args.seed_noise > 0:
+            raise ValueError(f"--seed-noise {args.seed_noise}: must be a standard deviation > 0")
+        if not 0 <= args.min_mfu <= 1:
+            raise ValueError(f"--min-mfu {args.min_mfu}: a utilisation between 0 and 1")
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise SystemExit(f"analysis.report: {e}") from None
     out = Path(args.out)
@@ -455,10 +555,13 @@ def main(argv: Optional[list[str]] = None) -> Path:
         section_scaling(rep, df, args)
         section_multipliers(rep, df, args)
     else:
-        variants = variant_labels(col.runs, _parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
+        variants = variant_labels(col.runs, parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
         section_runs(rep, col, variants)
         headline_at = len(rep.lines)
-        table = section_ablation(rep, col, args)
+        try:
+            table = section_ablation(rep, col, args)
+        except ValueError as e:  # e.g. a primary comparison with no row to compare
+            raise SystemExit(f"analysis.report: {e}") from None
         mult = None
         if not col.runs.empty and N_DEFINITIONS[args.n_def] in col.runs:
             df = runs_to_scaling(col.runs.assign(variant=variants), args.n_def, args.c_def, args.d_col, args.loss_col)
@@ -471,10 +574,10 @@ def main(argv: Optional[list[str]] = None) -> Path:
         if table is not None:
             speed = None
             if speed_runs is not None:
-                speed = table_from_args(speed_runs, argparse.Namespace(**{**vars(args), "tune": False}))
+                speed = table_from_args(speed_runs, argparse.Namespace(**{**vars(args), "tune": False, "primary": None}))
                 rep.add(f"Throughput where the ablation's runs shared a GPU: from the {len(speed_runs)} timing "
                         f"runs of {' '.join(args.speed)}.")
-            section_headline(rep, headline_at, table, mult, speed)
+            section_headline(rep, headline_at, table, mult, speed, args.min_mfu)
     path = rep.write()
     print(f"report: {path}")
     return path

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import yaml
 
-from analysis.ablate import DEFAULT_BASELINE
+from analysis.cells import DEFAULT_BASELINE
 
 TRUTH = {"E": 2.0, "A": 60.0, "B": 150.0, "alpha": 0.3, "beta": 0.3}  # optimum D/N ~ 21
 # The settings each option's config group holds, as in conf/ (an option's keys differ from another's).
@@ -55,7 +55,7 @@ def run_config(switches: dict, seed: int, model: str, run_name: str, group: str,
            "train": {"max_steps": steps, "val_every": 50, "log_every": 10},
            "model": {"name": model, "n_layers": 4, "d_model": 128, "init_std": 0.02},
            **{sw: {"name": opt, **GROUP_SETTINGS.get((sw, opt), {})} for sw, opt in switches.items()},
-           "data": {"name": "synthetic", "seq_len": 256, "batch_size": 16},
+           "data": {"name": "synthetic", "seq_len": 256, "batch_size": 16, "val_tokens": 65536},
            "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true", "deterministic": None},
            "logger": {"wandb": False}}
     return _merge(cfg, config or {})
@@ -65,15 +65,16 @@ def write_run(run_dir: Path, switches: dict, seed: int, n_params: float, tokens:
               rng: np.random.Generator, model: str = "tiny", status: str = "completed", steps: int = 200,
               n_log: int = 20, truncate: bool = False, p: dict = TRUTH, maxvio: Optional[float] = None,
               scale: float = 1.0, noise: float = 0.0, config: Optional[dict] = None,
-              overrides: Optional[Sequence[str]] = None, tokens_per_s: float = 1e4) -> dict:
+              overrides: Optional[Sequence[str]] = None, tokens_per_s: float = 1e4, mfu: float = 0.4) -> dict:
     """Write config.yaml, overrides.yaml, metrics.jsonl and summary.json of one synthetic run.
 
     n_params: N, the active non-embedding parameters (the other counts are derived from it). The
     validation curve is law(scale*N, scale*tokens_t) + final_offset + noise (noise fixed per run), logged
     at step 0 and n_log steps after. maxvio: starting MoE MaxVio, decaying over training (omitted when
     None). config: nested keys merged into config.yaml; overrides: overrides.yaml's list (then `seed=<seed>`),
-    by default the switches that differ from the K3 default. truncate: the last metrics line cut in half
-    (killed mid-write). Returns the summary."""
+    by default the switches that differ from the K3 default. tokens_per_s, mfu: the logged throughput and
+    utilisation (speed/tokens_per_s, speed/mfu). truncate: the last metrics line cut in half (killed
+    mid-write). Returns the summary."""
     run_dir.mkdir(parents=True, exist_ok=True)
     n_params = float(int(n_params))  # a parameter count is an integer: C = 6 N D exactly
     tok_per_step = tokens / steps
@@ -86,7 +87,7 @@ def write_run(run_dir: Path, switches: dict, seed: int, n_params: float, tokens:
         rec = {"step": int(step), "tokens": float(t), "flops": float(t * flops_per_token), "loss/val": lv}
         if step:
             rec.update({"loss/train": lv + 0.02 + float(rng.normal(0, 0.005)), "optim/lr": 0.02 * min(1.0, step / 20),
-                        "speed/tokens_per_s": tokens_per_s})
+                        "speed/tokens_per_s": tokens_per_s, "speed/mfu": mfu})
             if maxvio is not None:
                 rec["moe/maxvio"] = float(maxvio * np.exp(-3 * step / steps) + 0.05 + abs(rng.normal(0, 0.01)))
         lines.append(json.dumps(rec))
@@ -159,19 +160,24 @@ def write_ablation_sweep(root: Path, seeds=(0, 1, 2), n_params: float = 2e6, tok
 
 def write_scaling_ladder(root: Path, multiplier: float = 2.0, sizes=None, ratio: float = 20.0,
                          seeds=(0,), noise: float = 0.003, rng_seed: int = 1,
-                         variant: tuple = ("glu", "swiglu"), throughput: float = 1.0) -> None:
+                         variant: tuple = ("glu", "swiglu"), throughput: float = 1.0, growth: float = 0.0,
+                         mfu: float = 0.4) -> dict:
     """A size ladder at `ratio` tokens per parameter for the baseline and for one variant whose compute
-    multiplier is `multiplier` (variant trained as if N and D were scaled by sqrt(multiplier)) and whose
-    tokens/s are `throughput` x the baseline's (1e4) in every run."""
+    multiplier at each size is m = multiplier x (C / C_smallest)^growth (C = 6 N D of the size: growth is the
+    slope of log m against log C), the variant trained as if N and D were scaled by sqrt(m), and whose
+    tokens/s are `throughput` x the baseline's (1e4) in every run, at utilisation `mfu`. Each run's loss gets
+    its own N(0, noise). Returns {N: the true multiplier at that size}."""
     rng = np.random.default_rng(rng_seed)
-    sizes = np.geomspace(1e5, 3e7, 7) if sizes is None else sizes
-    for label, sw, scale, tps in (("base", dict(DEFAULT_BASELINE), 1.0, 1e4),
-                                  (f"{variant[0]}-{variant[1]}", {**DEFAULT_BASELINE, variant[0]: variant[1]},
-                                   np.sqrt(multiplier), 1e4 * throughput)):
+    sizes = np.geomspace(1e5, 3e7, 7) if sizes is None else np.asarray(sizes, float)
+    truth = {float(int(n)): multiplier * (n / sizes[0]) ** (2 * growth) for n in sizes}  # C = 6 ratio N^2
+    option = {**DEFAULT_BASELINE, variant[0]: variant[1]}
+    for label, sw, tps in (("base", dict(DEFAULT_BASELINE), 1e4), (f"{variant[0]}-{variant[1]}", option, 1e4 * throughput)):
         for n in sizes:
+            scale = 1.0 if label == "base" else np.sqrt(truth[float(int(n))])
             for s in seeds:
                 write_run(root / f"ladder-{label}-n{n:.2g}-s{s}", sw, s, n, ratio * n, 0.0, rng,
-                          model=f"n{n:.2g}", scale=scale, noise=noise, tokens_per_s=tps)
+                          model=f"n{n:.2g}", scale=scale, noise=noise, tokens_per_s=tps, mfu=mfu)
+    return truth
 
 
 def write_isoflop_grid(root: Path, budgets=(1e14, 3e14, 1e15, 3e15), n_per_budget: int = 7,

@@ -1,26 +1,18 @@
 """Approach 3 against Epoch's replication of Chinchilla (Besiroglu et al. 2024, arXiv:2404.10102).
 
-Data: ../shared/data/chinchilla_epoch_replication.csv (or $K3LAB_SHARED_DATA); skipped only when absent.
-Protocol (shared/data/README.md): D = C/(6N), drop the 5 highest-loss rows (240 left), summed Huber
+Data: tests/data/chinchilla_epoch_replication.csv (source, commit, sha256 and licence in tests/data/README.md).
+Protocol (tests/data/README.md): D = C/(6N), drop the 5 highest-loss rows (240 left), summed Huber
 (delta 1e-3) on log loss in LSE form, L-BFGS-B from the 4,500-start grid.
 """
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from analysis.approach3 import HOFFMANN_THETA, bootstrap_chinchilla, fit_chinchilla
 from analysis.collect import load_csv, select_rows
-from analysis.scaling import HOFFMANN_THETA, bootstrap_chinchilla, fit_chinchilla
 
-
-def shared_data_dir() -> Path:
-    env = os.environ.get("K3LAB_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-CSV = shared_data_dir() / "chinchilla_epoch_replication.csv"
-pytestmark = pytest.mark.skipif(not CSV.exists(), reason=f"{CSV} absent (set K3LAB_SHARED_DATA)")
+CSV = Path(__file__).resolve().parent / "data" / "chinchilla_epoch_replication.csv"
 
 EPOCH_GRID = {"E": 1.8172, "A": 477.8, "B": 2143.9, "alpha": 0.3473, "beta": 0.3672}
 EPOCH_OBJECTIVE = 1.01827e-3
@@ -51,6 +43,20 @@ def test_grid_fit_reproduces_epoch(fit):
     assert fit.objective == pytest.approx(EPOCH_OBJECTIVE, rel=1e-3)
     for name, want in EPOCH_GRID.items():
         assert getattr(fit, name) == pytest.approx(want, rel=1e-2), name
+
+
+def test_report_cli_reproduces_epoch(tmp_path):
+    """The same check through `python -m analysis.report --csv` (the command docs/analysis.md publishes): the
+    approach-3 table of its report.md gives each parameter within 1% of Epoch's grid fit."""
+    from analysis.report import main as report
+
+    text = report(["--csv", str(CSV), "--map", "N=Model Size,C=Training FLOP,loss=loss", "--drop-highest", "5",
+                   "--grid", "coarse", "--n-boot", "0", "--n-boot-small", "0", "--formats", "png",
+                   "--out", str(tmp_path / "rep")]).read_text()
+    rows = {r[0]: r[1] for r in ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+                                 if line.startswith("|")) if len(r) > 1}
+    for name, want in EPOCH_GRID.items():
+        assert float(rows[name]) == pytest.approx(want, rel=1e-2), name
 
 
 def test_coarse_grid_finds_the_same_optimum(table, fit):

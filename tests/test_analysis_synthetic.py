@@ -1,9 +1,10 @@
 """Analysis on synthetic data with a known truth: scaling fits recover the parameters, bootstrap intervals
-cover the truth at about the nominal rate, compute multipliers are recovered, ablation statistics match
-the effects written into synthetic run directories, cells never pool runs that differ in anything but the
-seed and bookkeeping, learning-rate grids are never averaged and the tuned comparison picks each option's
-own best rate on the tuning seeds, Holm and the minimum detectable effect agree with independent
-calculations, and every run directory is reported: used, partially read or skipped with its reason."""
+cover the truth at about the nominal rate, ablation statistics match the effects written into synthetic run
+directories, cells never pool runs that differ in anything but the seed and bookkeeping, learning-rate
+grids are never averaged and the tuned comparison picks each option's own best rate on the tuning seeds,
+Holm and the minimum detectable effect agree with independent calculations, and every run directory is
+reported: used, partially read or skipped with its reason. Compute multipliers:
+tests/test_analysis_multipliers.py."""
 import json
 import shutil
 
@@ -13,12 +14,15 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import (ablation_table, headline, holm, mde_paired, mde_welch, next_commands, tuning_table,
-                             variant_labels)
+from analysis.ablate import ablation_table
+from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, huber_lse_objective,
+                                init_grid, leave_largest_out)
+from analysis.cells import variant_labels
 from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
-from analysis.scaling import (bootstrap_chinchilla, compute_multipliers, fit_chinchilla, fit_isoflop,
-                              flops_per_param_token, fit_loss_vs_compute, huber_lse_objective, init_grid,
-                              leave_largest_out)
+from analysis.headline import headline
+from analysis.isoflop import fit_isoflop
+from analysis.stats import holm, mde_paired, mde_welch
+from analysis.tuning import next_commands, tuning_table
 from analysis.synthetic import (ABLATION_DELTAS, law, write_ablation_sweep, write_isoflop_grid, write_lr_grid,
                                 write_run, write_scaling_ladder)
 
@@ -105,40 +109,6 @@ def test_isoflop_recovers_allocation_exponent(tmp_path):
     assert iso.parabolas["valid"].all() and len(iso.parabolas) == 4
     assert iso.a == pytest.approx(0.5, abs=0.02)  # beta / (alpha + beta) with alpha = beta
     assert iso.a + iso.b == pytest.approx(1.0, abs=1e-9)
-
-
-def _ladder(rng, m, noise=0.002):
-    """Baseline and variant ladders; the variant reaches the baseline's loss with 1/m of the compute."""
-    rows = []
-    p = {"E": 2.0, "A": 60.0, "B": 150.0, "alpha": 0.3, "beta": 0.3}
-    for variant, k in (("baseline", 1.0), ("better", np.sqrt(m))):
-        for n in np.geomspace(1e5, 3e7, 8):
-            d = 20 * n
-            rows.append({"variant": variant, "C": 6 * n * d,
-                         "loss": law(k * n, k * d, p) * np.exp(rng.normal(0, noise))})
-    return pd.DataFrame(rows)
-
-
-def test_compute_multiplier_recovered():
-    df = _ladder(np.random.default_rng(5), m=2.0)
-    mult = compute_multipliers(df, "baseline", n_boot=100, seed=0)
-    shared = mult[mult["kind"] == "shared"].iloc[0]
-    assert shared["multiplier"] == pytest.approx(2.0, rel=0.05)
-    assert shared["lo"] <= 2.0 <= shared["hi"]
-    sep = mult[mult["kind"] == "separate"]
-    assert len(sep) == 3
-    assert sep["multiplier"].iloc[1] == pytest.approx(2.0, rel=0.1)
-    assert (sep["lo"] <= 2.0).all() and (sep["hi"] >= 2.0).all()
-    # L(C) itself: the variant's curve is the baseline's shifted by m in compute
-    fb = fit_loss_vs_compute(df.loc[df.variant == "baseline", "C"], df.loc[df.variant == "baseline", "loss"])
-    c = np.geomspace(1e13, 1e17, 5)
-    np.testing.assert_allclose(fb.compute_for_loss(fb.predict(c)), c, rtol=1e-6)
-
-
-def test_no_effect_gives_multiplier_one():
-    df = _ladder(np.random.default_rng(6), m=1.0)
-    shared = compute_multipliers(df, "baseline", n_boot=100, seed=0).query("kind == 'shared'").iloc[0]
-    assert shared["lo"] <= 1.0 <= shared["hi"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,7 +227,9 @@ def test_report_end_to_end(tmp_path):
                    "## Headline", "## Ablations", "paired t", "p (Holm)", "Approach 3", "Compute multiplier",
                    "Leave-largest-size-out", "kappa = 6", "N = active_non_embedding", "Approach 2 (isoFLOP"):
         assert needle in text, needle
-    assert "| runs | seeds | tokens | commits |" in text and "| used |  | synthetic |" in text  # who ran them
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    assert ["model", "variant", "runs", "seeds", "tokens", "commits"] in rows  # who ran them
+    assert any(r[-3:] == ["used", "", "synthetic"] for r in rows)
     assert text.index("## Headline") < text.index("## Ablations")
     pngs = list((tmp_path / "rep").glob("*.png"))
     assert {"ablation_deltas.png", "curves_glu.png", "maxvio_balance.png", "compute_multipliers.png"} <= {p.name for p in pngs}
@@ -274,7 +246,7 @@ def test_a_ladder_at_one_tokens_per_parameter_ratio_skips_approaches_3_and_2_and
     text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--n-boot-small", "10"]).read_text()
     assert "Approaches 3 and 2: skipped. Every run has D/N between 20 and 20" in text
     assert "### Approach 3" not in text and "### Approach 2" not in text
-    assert "### Loss against compute per variant" in text and "Compute multiplier" in text
+    assert "### Compute multipliers" in text and "(multipliers.csv)" in text
 
 
 def test_a_report_written_again_removes_the_figures_it_no_longer_writes_and_nothing_else(tmp_path):
@@ -294,19 +266,21 @@ def test_a_report_written_again_removes_the_figures_it_no_longer_writes_and_noth
     assert {"report.md", "notes.txt", "compute_multipliers.png", "ablation.csv"} <= names, names
     assert set((out / ".report-files").read_text().split()) == names - {"notes.txt", ".report-files"}
 
-def test_single_thread_blas_without_threadpoolctl(monkeypatch):
-    """The ctypes fallback limits every loaded OpenBLAS to one thread inside the block and restores it."""
-    import analysis._blas as blas
-    import scipy.optimize  # noqa: F401  (loads scipy's OpenBLAS)
+def test_single_thread_blas_limits_every_blas_pool_and_restores_it():
+    """Inside the block every BLAS thread pool that threadpoolctl sees runs one thread; after it, as before."""
+    from threadpoolctl import threadpool_info
 
-    monkeypatch.setattr(blas, "threadpool_limits", None)
-    handles = blas._openblas_handles()
-    if not handles:
-        pytest.skip("no OpenBLAS loaded (other BLAS vendor or not Linux)")
-    before = [get() for get, _ in handles]
-    with blas.single_thread_blas():
-        assert all(get() == 1 for get, _ in handles)
-    assert [get() for get, _ in handles] == before
+    from analysis._blas import single_thread_blas
+    import scipy.optimize  # noqa: F401  (loads scipy's BLAS)
+
+    def blas_threads():
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas_threads()
+    assert before, "numpy and scipy load a BLAS"
+    with single_thread_blas():
+        assert set(blas_threads()) == {1}
+    assert blas_threads() == before
 
 
 def test_repeated_runs_of_one_seed_count_once():
@@ -604,25 +578,6 @@ def test_one_definition_of_n_and_c(tmp_path):
     fit = fit_chinchilla(other["N"], other["D"], other["loss"], grid="coarse", kappa=6 / 1.1)
     n_opt, d_opt = fit.optimal(1e18)
     assert (6 / 1.1) * n_opt * d_opt == pytest.approx(1e18)
-
-
-def test_compute_multiplier_and_headline_recover_a_known_1_5x(tmp_path):
-    """A SwiGLU ladder that reaches the baseline's loss with 1/1.5 of the compute at 0.8x the tokens/s: the
-    multiplier and its interval recover 1.5, the headline's wall-clock multiplier is 1.5 x 0.8 = 1.2, and its
-    delta comes from the largest size."""
-    write_scaling_ladder(tmp_path, multiplier=1.5, seeds=(0, 1, 2), noise=0.001, throughput=0.8)
-    runs = collect([tmp_path], curves=False).runs
-    df = runs_to_scaling(runs.assign(variant=variant_labels(runs)))
-    mult = compute_multipliers(df, "baseline", n_boot=100, seed=0)
-    shared = mult[mult["kind"] == "shared"].iloc[0]
-    assert shared["variant"] == "glu=swiglu"
-    assert shared["multiplier"] == pytest.approx(1.5, rel=0.05) and shared["lo"] <= 1.5 <= shared["hi"]
-    h = headline(ablation_table(runs), mult).iloc[0]
-    assert (h["switch"], h["option"], h["N"], h["n"]) == ("glu", "swiglu", pytest.approx(3e7, rel=1e-6), 3)
-    assert h["multiplier"] == shared["multiplier"] and h["tokens_per_s_rel"] == pytest.approx(0.8)
-    assert h["wall_clock"] == pytest.approx(0.8 * shared["multiplier"]) and h["wall_clock"] == pytest.approx(1.2, rel=0.05)
-    assert h["wall_clock_lo"] <= 1.2 <= h["wall_clock_hi"] and h["delta"] < 0 and h["verdict"] == "better"
-    assert np.isnan(headline(ablation_table(runs)).iloc[0]["multiplier"])  # no ladder given: no multiplier
 
 
 def test_the_headline_delta_comes_from_the_largest_size_with_an_interval(tmp_path):

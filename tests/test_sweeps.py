@@ -19,8 +19,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from analysis.ablate import TUNE_SEED_MIN
-from analysis.scaling import fit_isoflop, flop_budgets
+from analysis.isoflop import fit_isoflop, flop_budgets
+from analysis.tuning import TUNE_SEED_MIN
 from k3lab.budget import run_length
 from k3lab.config import run_config
 from k3lab.flops import flops_per_token

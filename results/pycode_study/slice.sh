@@ -73,7 +73,8 @@ stage_commands() {  # one run.py -m argument list per line: one multirun each
     ladder)
       python3 - "$RUNS/pycode_study" "${2:?depths, e.g. 5 or 6,8}" <<'PY'
 import sys
-from analysis.ablate import ablation_table, tuning_table
+from analysis.ablate import ablation_table
+from analysis.tuning import tuning_table
 from analysis.collect import collect
 
 LADDER = (("residual", "block_attnres"), ("residual", "standard"), ("optim", "adamw"))  # the K3 default first
