@@ -201,17 +201,19 @@ def environment() -> dict[str, Any]:
 
 
 def device_sharing(load_start: float, threads: int) -> dict[str, Any]:
-    """Whether the run shared its device, so that its tokens/s is not the config's own. A GPU is shared when
-    whoever started the run says so (DEVICE_SHARED_ENV: k3lab.sweep.DevicePerJob, a study's slice script); a
-    CPU when the rest of the machine kept at least half a core busy at the run's start or now (the 1-minute
-    load average, less this run's own `threads` now that it has run for a while)."""
-    load_now = cpu_load()
-    said = os.environ.get(DEVICE_SHARED_ENV) == "1"
+    """Whether the run shared its device, so that its tokens/s is not the config's own, and why. A GPU is shared
+    when whoever started the run says so (DEVICE_SHARED_ENV: k3lab.sweep.DevicePerJob, a study's slice script);
+    a CPU also when the rest of the machine kept at least half a core busy at the run's start or now (the
+    1-minute load average, less this run's own `threads` now that it has run for a while)."""
+    reasons = [f"{DEVICE_SHARED_ENV}=1"] if os.environ.get(DEVICE_SHARED_ENV) == "1" else []
     if torch.cuda.is_available():
-        return {"device_shared": said}
+        return {"device_shared": bool(reasons), "device_shared_why": "; ".join(reasons) or None}
+    load_now = cpu_load()
     others = max(load_start, load_now - threads)
-    return {"cpu_load": {"start": round(load_start, 2), "now": round(load_now, 2)},
-            "device_shared": said or others >= 0.5}
+    if others >= 0.5:
+        reasons.append(f"other work kept {others:.1f} cores of the CPU busy")
+    return {"cpu_load": {"start": round(load_start, 2), "now": round(load_now, 2)}, "device_shared": bool(reasons),
+            "device_shared_why": "; ".join(reasons) or None}
 
 
 def now_iso() -> str:
