@@ -40,6 +40,7 @@ from k3lab.budget import run_length
 from k3lab.config import (DataConfig, LoggerConfig, OptimConfig, TrainConfig, TrainerConfig, check_config, compile_mode,
                           model_config, typed)
 from k3lab.data import K3DataModule
+from k3lab.data.tokenizer import save_to_run
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule, TrainMetrics
@@ -111,6 +112,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                        tokens_per_step=tokens_per_step, max_steps=length.max_steps, length_from=length.set_by,
                        tokens_per_param=cfg.train.get("tokens_per_param"), flop_budget=cfg.train.get("flop_budget"),
                        **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment())
+        if datamodule.lm is not None and rank_zero_only.rank == 0:  # text data: sampling and evals read it there
+            summary.update(tokenizer=save_to_run(datamodule.lm.tokenizer, run_dir))
         print_run_header(cfg, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         if typed(LoggerConfig, cfg.logger).wandb is not None:
