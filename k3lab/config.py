@@ -29,6 +29,9 @@ DATASETS = ("sotu", "text", "mqar", "tokens")
 TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
+PROBE_OPTIONS = ("none", "recall")  # probes.name (k3lab/probes.py)
+CPU_PROBE_LENGTHS = (256, 1024)
+GPU_PROBE_LENGTHS = (512, 2048, 8192)
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -263,6 +266,35 @@ class DataConfig:
 
 
 @dataclass
+class ProbesConfig:
+    """Long-context recall probes at every validation (k3lab/probes.py): `none`, or `recall` (MQAR and a passkey
+    retrieval at each of `lengths`)."""
+    name: str = "none"                   # none | recall
+    lengths: Optional[list[int]] = None  # sequence lengths; null: CPU_PROBE_LENGTHS on the CPU, GPU_PROBE_LENGTHS on GPUs
+    examples: int = 64                   # sequences per probe and length
+    batch_size: int = 8                  # sequences per forward
+    mqar_pairs: int = 16                 # MQAR key-value pairs (chance 1 / mqar_pairs)
+    passkey_digits: int = 5              # passkey length in digits (chance 1/10 per digit)
+
+    def check(self) -> "ProbesConfig":
+        check_choice("probes.name", self.name, PROBE_OPTIONS)
+        check_at_least("probes", self, 1, "examples", "batch_size", "mqar_pairs", "passkey_digits")
+        shortest = max(4 * self.mqar_pairs, 2 * (self.passkey_digits + 2))
+        for length in self.lengths or ():
+            if length < shortest:
+                raise ConfigError(f"probes.lengths: {length} is shorter than {shortest}, the least that holds "
+                                  f"{self.mqar_pairs} MQAR pairs with their queries and two passkeys of "
+                                  f"{self.passkey_digits} digits with their markers")
+        return self
+
+    def resolved_lengths(self, accelerator: str) -> list[int]:
+        """`lengths`, or the default of the device the run trains on."""
+        if self.lengths:
+            return list(self.lengths)
+        return list(CPU_PROBE_LENGTHS if accelerator == "cpu" else GPU_PROBE_LENGTHS)
+
+
+@dataclass
 class RunConfig:
     """The top-level keys of conf/config.yaml: which run this is and where its directory goes."""
     seed: int = 0
@@ -426,6 +458,7 @@ def check_config(cfg: DictConfig) -> None:
     if not optim.lr_scale > 0:
         raise ConfigError(f"optim.lr_scale={optim.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
     typed(TrainerConfig, cfg.trainer).check()
+    typed(ProbesConfig, cfg.probes).check()
     compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()
     if logger.wandb is not None:

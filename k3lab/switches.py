@@ -58,6 +58,8 @@ GROUPS: dict[str, str] = {
     "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP, or FSDP2 sharding)",
     "logger": "mirrors of metrics.jsonl: none, Weights & Biases (offline unless logged in) or TensorBoard; "
               'pip install -e ".[wandb]" or ".[tensorboard]"; both: logger=[wandb,tensorboard]',
+    "probes": "long-context recall measured at every validation: none, or MQAR and passkey retrieval at several "
+              "lengths (docs/evals.md)",
     "experiment": "presets of several groups and settings (a task with its training length)",
     "sweep": "multirun definitions of sweeps/: python run.py -m sweep=<name>",
     "debug": "checks of a set-up: a few steps of everything, or overfitting one batch",
