@@ -234,8 +234,8 @@ class DataConfig:
     name: str = "sotu"           # sotu | text | mqar | tokens | hf
     seq_len: int = 256
     batch_size: int = 16
-    vocab_size: int = 1024       # BPE vocab; ignored for byte-level, pretrained tokenizers, mqar and tokens (tokens: from meta.json)
-    tokenizer: str = "bpe"       # bpe | byte (sotu / text); hf: bpe, or a pretrained tokenizer (a Hugging Face name, a tokenizer.json, a folder with one)
+    vocab_size: int = 1024       # BPE vocab; ignored for byte-level, pretrained tokenizers, mqar and tokens
+    tokenizer: str = "bpe"       # bpe | byte (sotu / text); hf: bpe or a pretrained tokenizer (name, tokenizer.json, folder)
     path: Optional[str] = None   # text: a file or folder of .txt / .jsonl; tokens: a folder from k3lab.data.prepare
     val_fraction: float = 0.05   # share of documents held out (sotu / text; token shards were split when prepared)
     cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # sotu / text token cache; env K3LAB_CACHE overrides
@@ -288,11 +288,11 @@ class DataConfig:
         if self.path is not None:
             raise ConfigError(f"data.path={self.path!r} does not apply to data=hf: name the corpus with data.dataset")
         if self.tokenizer == "byte":
-            raise ConfigError("data.tokenizer='byte' is not an option of data=hf; valid: bpe, or a pretrained tokenizer "
-                              "(a Hugging Face name, a tokenizer.json, a folder with one)")
+            raise ConfigError("data.tokenizer='byte' is not an option of data=hf; valid: bpe, or a pretrained "
+                              "tokenizer (a Hugging Face name, a tokenizer.json, a folder with one)")
         if self.tokenizer == "bpe" and self.eod_token is not None:
-            raise ConfigError(f"data.eod_token={self.eod_token!r} applies to a pretrained tokenizer; data.tokenizer=bpe "
-                              "ends documents with its own <|endoftext|>")
+            raise ConfigError(f"data.eod_token={self.eod_token!r} applies to a pretrained tokenizer; "
+                              "data.tokenizer=bpe ends documents with its own <|endoftext|>")
         if self.max_docs is not None and self.max_docs < 2:
             raise ConfigError(f"data.max_docs={self.max_docs} must be >= 2 (a training and a validation document)")
         if not 0 < self.val_fraction < 1:
@@ -304,7 +304,7 @@ class ProbesConfig:
     """Long-context recall probes at every validation (k3lab/probes.py): `none`, or `recall` (MQAR and a passkey
     retrieval at each of `lengths`)."""
     name: str = "none"                   # none | recall
-    lengths: Optional[list[int]] = None  # sequence lengths; null: CPU_PROBE_LENGTHS on the CPU, GPU_PROBE_LENGTHS on GPUs
+    lengths: Optional[list[int]] = None  # sequence lengths; null: CPU_PROBE_LENGTHS on CPUs, GPU_PROBE_LENGTHS on GPUs
     examples: int = 64                   # sequences per probe and length
     batch_size: int = 8                  # sequences per forward
     mqar_pairs: int = 16                 # MQAR key-value pairs (chance 1 / mqar_pairs)

@@ -56,8 +56,8 @@ def lm_class():
             self.run, self.model, self.tok = run, run.model, run.tokenizer
             self.batch_size = batch_size
             self.max_length = max_length or int(run.cfg.data.seq_len)
-            self.device_ = run.model.embed.weight.device
-            self.generator = torch.Generator(self.device_).manual_seed(seed)
+            self._device = run.model.embed.weight.device
+            self.generator = torch.Generator(self._device).manual_seed(seed)
 
         # -- token-level scoring ---------------------------------------------------------------
         @torch.no_grad()
@@ -79,7 +79,7 @@ def lm_class():
                     x[row, :len(s) - 1] = torch.tensor(s[:-1])
                     scored[row, len(s) - 1 - n:len(s) - 1] = True
                     targets += s[len(s) - n:]
-                logp = torch.log_softmax(self.model(x.to(self.device_), logits_at=scored.to(self.device_)).double(), -1)
+                logp = torch.log_softmax(self.model(x.to(self.device), logits_at=scored.to(self.device)).double(), -1)
                 target = torch.tensor(targets, device=logp.device)
                 picked = logp.gather(1, target[:, None])[:, 0]
                 greedy = logp.argmax(1) == target

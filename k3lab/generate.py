@@ -69,7 +69,8 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedR
     return LoadedRun(run_dir, cfg, model.to(device).eval(), tokenizer, int(ckpt["global_step"]), ckpt_path)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
+                generator: torch.Generator | None) -> torch.Tensor:
     """logits [B, V] -> token ids [B]: the argmax at temperature 0, else a draw from softmax(logits / temperature)
     over the top_k most likely tokens (all of them when top_k is 0)."""
     if temperature == 0:

@@ -63,8 +63,8 @@ def hub_snapshot(repo_id: str, repo_type: str, key: str, patterns: tuple[str, ..
         return Path(snapshot_download(repo_id, repo_type=repo_type, allow_patterns=list(patterns) if patterns else None,
                                       local_files_only=offline()))
     except LocalEntryNotFoundError:
-        raise FileNotFoundError(f"{key}={repo_id!r} is not a local path, and the Hugging Face cache holds no {repo_type} "
-                                "of that name (offline: HF_HUB_OFFLINE=1, nothing is downloaded)") from None
+        raise FileNotFoundError(f"{key}={repo_id!r} is not a local path, and the Hugging Face cache holds no "
+                                f"{repo_type} of that name (offline: HF_HUB_OFFLINE=1, nothing is downloaded)") from None
     except (RepositoryNotFoundError, HFValidationError):
         raise FileNotFoundError(f"{key}={repo_id!r} is neither a local path nor a Hugging Face {repo_type}") from None
 
@@ -206,6 +206,6 @@ def prepare_hf(cfg: DataConfig) -> Path:
             cause = prepare._root_cause(err)
             raise cause if cause is not err and isinstance(cause, (ValueError, OSError)) else err
         os.rename(building, entry)  # the complete folder appears at once
-        print(prepare.report(meta, entry).replace("wrote ", "data=hf: wrote ", 1) + f"\n({time.perf_counter() - t0:.1f} s)",
-              flush=True)
+        print(prepare.report(meta, entry).replace("wrote ", "data=hf: wrote ", 1)
+              + f"\n({time.perf_counter() - t0:.1f} s)", flush=True)
     return entry
