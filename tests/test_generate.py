@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3lab.config import DecayConfig, MixerConfig, ModelConfig, ResidualConfig
-from k3lab.generate import generate, load_run, sample_next
+from k3lab.generate import generate, load_run, main, sample_next
 from k3lab.model.k3 import K3Model
 from k3lab.model.kda import KDACache
 from k3lab.model.mla import MLACache
@@ -111,7 +111,7 @@ def test_sample_next():
     assert set(again.tolist()) == {0, 1, 2, 3}
 
 
-def test_cli(trained_run):
+def test_cli(trained_run, capsys):
     """A trained run samples through the command line: each prompt, then its greedy continuation by
     `generate` on the prompt's ids (the end-of-document id first); a bad run directory is one line."""
     prompts = ["line 3 of", "says"]
@@ -122,6 +122,6 @@ def test_cli(trained_run):
     tok = run.tokenizer
     assert lines == [p + tok.decode(generate(run.model, [tok.eod_id, *tok.encode(p)], 8, temperature=0,
                                              end_id=tok.eod_id)) for p in prompts]
-    bad = subprocess.run([*cmd[:3], str(trained_run.parent), "--prompt", "x"], cwd=ROOT, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no config.yaml" in bad.stderr
+    assert main([str(trained_run.parent), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no config.yaml" in err
