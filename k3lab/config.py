@@ -25,10 +25,13 @@ from k3lab.errors import ConfigError, not_a_key, not_an_option, reading_data
 from k3lab.switches import K3_DEFAULT, check_option
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
-DATASETS = ("sotu", "text", "mqar", "tokens")
+DATASETS = ("sotu", "text", "mqar", "tokens", "hf")
 TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
+PROBE_OPTIONS = ("none", "recall")  # probes.name (k3lab/probes.py)
+CPU_PROBE_LENGTHS = (256, 1024)
+GPU_PROBE_LENGTHS = (512, 2048, 8192)
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -225,13 +228,14 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """What the model reads: a document corpus tokenised and cached here (sotu, text), MQAR, or
-    token shards prepared once by `python -m k3lab.data.prepare` (tokens, docs/data.md)."""
-    name: str = "sotu"           # sotu | text | mqar | tokens
+    """What the model reads: a document corpus tokenised and cached here (sotu, text), MQAR, token shards
+    prepared once by `python -m k3lab.data.prepare` (tokens, docs/data.md), or any dataset and tokenizer,
+    made into token shards at the first use (hf, k3lab/data/hf.py)."""
+    name: str = "sotu"           # sotu | text | mqar | tokens | hf
     seq_len: int = 256
     batch_size: int = 16
-    vocab_size: int = 1024       # BPE vocab; ignored for byte-level, mqar and tokens (tokens: from meta.json)
-    tokenizer: str = "bpe"       # bpe | byte (sotu / text); token shards carry their own tokenizer.json
+    vocab_size: int = 1024       # BPE vocab; ignored for byte-level, pretrained tokenizers, mqar and tokens
+    tokenizer: str = "bpe"       # bpe | byte (sotu / text); hf: bpe or a pretrained tokenizer (name, tokenizer.json, folder)
     path: Optional[str] = None   # text: a file or folder of .txt / .jsonl; tokens: a folder from k3lab.data.prepare
     val_fraction: float = 0.05   # share of documents held out (sotu / text; token shards were split when prepared)
     cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # sotu / text token cache; env K3LAB_CACHE overrides
@@ -243,15 +247,24 @@ class DataConfig:
     n_val_examples: int = 2_000
     mqar_power_a: float = 0.01   # query-gap power law exponent (Zoology's default)
     mqar_random_non_queries: bool = False  # True: filler positions get random tokens instead of 0
-    # validation (sotu / text / tokens): at most this many target tokens, in non-overlapping windows
+    # validation (sotu / text / tokens / hf): at most this many target tokens, in non-overlapping windows
     val_tokens: int = 65_536
+    # hf (k3lab/data/hf.py)
+    dataset: Optional[str] = None      # a Hugging Face dataset name, or a local folder or file that `datasets` reads
+    hf_config: Optional[str] = None    # the dataset's configuration (subset)
+    hf_split: Optional[str] = None     # its split; null: train
+    text_column: Optional[str] = None  # the column that holds the text; null: text
+    max_docs: Optional[int] = None     # the first N documents of the split only
+    eod_token: Optional[str] = None    # a pretrained tokenizer's end-of-document token; null: its eos, bos or sep
 
     def check(self) -> "DataConfig":
         """The settings, and that data.path exists where the corpus needs one (its files are read later)."""
         check_choice("data.name", self.name, DATASETS)
-        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        if self.name != "hf":
+            check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_at_least("data", self, 1, "seq_len", "batch_size")
-        if self.name in ("sotu", "text") and self.tokenizer == "bpe" and self.vocab_size <= 257:
+        self._check_hf()
+        if self.name in ("sotu", "text", "hf") and self.tokenizer == "bpe" and self.vocab_size <= 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} is too small for byte-level BPE (needs > 257); "
                               "use data.tokenizer=byte for plain bytes")
         if self.name in ("text", "tokens"):
@@ -260,6 +273,59 @@ class DataConfig:
             if not Path(self.path).expanduser().exists():
                 raise ConfigError(f"data.path {self.path!r} does not exist")
         return self
+
+    def _check_hf(self) -> None:
+        """The keys of data=hf: set there and only there, none of them doing nothing."""
+        hf_keys = {"dataset": self.dataset, "hf_config": self.hf_config, "hf_split": self.hf_split,
+                   "text_column": self.text_column, "max_docs": self.max_docs, "eod_token": self.eod_token}
+        if self.name != "hf":
+            for key, value in hf_keys.items():
+                if value is not None:
+                    raise ConfigError(f"data.{key}={value!r} applies to data=hf only (data={self.name})")
+            return
+        if not self.dataset:
+            raise ConfigError("data=hf needs data.dataset=<a Hugging Face dataset name, or a local folder or file>")
+        if self.path is not None:
+            raise ConfigError(f"data.path={self.path!r} does not apply to data=hf: name the corpus with data.dataset")
+        if self.tokenizer == "byte":
+            raise ConfigError("data.tokenizer='byte' is not an option of data=hf; valid: bpe, or a pretrained "
+                              "tokenizer (a Hugging Face name, a tokenizer.json, a folder with one)")
+        if self.tokenizer == "bpe" and self.eod_token is not None:
+            raise ConfigError(f"data.eod_token={self.eod_token!r} applies to a pretrained tokenizer; "
+                              "data.tokenizer=bpe ends documents with its own <|endoftext|>")
+        if self.max_docs is not None and self.max_docs < 2:
+            raise ConfigError(f"data.max_docs={self.max_docs} must be >= 2 (a training and a validation document)")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
+
+
+@dataclass
+class ProbesConfig:
+    """Long-context recall probes at every validation (k3lab/probes.py): `none`, or `recall` (MQAR and a passkey
+    retrieval at each of `lengths`)."""
+    name: str = "none"                   # none | recall
+    lengths: Optional[list[int]] = None  # sequence lengths; null: CPU_PROBE_LENGTHS on CPUs, GPU_PROBE_LENGTHS on GPUs
+    examples: int = 64                   # sequences per probe and length
+    batch_size: int = 8                  # sequences per forward
+    mqar_pairs: int = 16                 # MQAR key-value pairs (chance 1 / mqar_pairs)
+    passkey_digits: int = 5              # passkey length in digits (chance 1/10 per digit)
+
+    def check(self) -> "ProbesConfig":
+        check_choice("probes.name", self.name, PROBE_OPTIONS)
+        check_at_least("probes", self, 1, "examples", "batch_size", "mqar_pairs", "passkey_digits")
+        shortest = max(4 * self.mqar_pairs, 2 * (self.passkey_digits + 2))
+        for length in self.lengths or ():
+            if length < shortest:
+                raise ConfigError(f"probes.lengths: {length} is shorter than {shortest}, the least that holds "
+                                  f"{self.mqar_pairs} MQAR pairs with their queries and two passkeys of "
+                                  f"{self.passkey_digits} digits with their markers")
+        return self
+
+    def resolved_lengths(self, accelerator: str) -> list[int]:
+        """`lengths`, or the default of the device the run trains on."""
+        if self.lengths:
+            return list(self.lengths)
+        return list(CPU_PROBE_LENGTHS if accelerator == "cpu" else GPU_PROBE_LENGTHS)
 
 
 @dataclass
@@ -405,7 +471,7 @@ def model_config(cfg: DictConfig, vocab_size: int) -> ModelConfig:
 
 def check_config(cfg: DictConfig) -> None:
     """Every group of a composed run config through its schema above, data.path (for data=tokens its
-    meta.json), and the packages the loggers need. A bad setting raises a UserError, one line naming the
+    meta.json; for data=hf its tokenizer and dataset), and the packages the loggers need. A bad setting raises a UserError, one line naming the
     key; run.py and k3lab.train.train call this before any run directory exists. Cheap: torch is imported
     only to check a GPU accelerator, wandb only when it is asked for."""
     typed(RunConfig, OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunConfig)]))
@@ -419,6 +485,12 @@ def check_config(cfg: DictConfig) -> None:
 
         with reading_data():
             tokens.read_meta(data.path)
+    if data.name == "hf":  # the tokenizer and a local dataset exist (a Hub dataset is read when the shards are built)
+        from k3lab.data import hf
+
+        with reading_data():
+            hf.resolve_tokenizer(data)
+            hf.resolve_dataset(data)
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
     optim = typed(OptimConfig, cfg.optim)
     check_option("optim", optim.name)
@@ -426,6 +498,7 @@ def check_config(cfg: DictConfig) -> None:
     if not optim.lr_scale > 0:
         raise ConfigError(f"optim.lr_scale={optim.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
     typed(TrainerConfig, cfg.trainer).check()
+    typed(ProbesConfig, cfg.probes).check()
     compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()
     if logger.wandb is not None:

@@ -54,10 +54,13 @@ K3_DEFAULT: dict[str, str] = {name: s.options[0] for name, s in SWITCHES.items()
 GROUPS: dict[str, str] = {
     "model": "model size; each file states every model setting (ladder: one depth dial, width = 64 x model.n_layers)",
     "data": "what the model reads: State of the Union text (no download), your text (data=text data.path=<file or "
-            "folder>), MQAR recall, or token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>)",
+            "folder>), MQAR recall, token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>), or "
+            "any dataset and tokenizer (data=hf data.dataset=<name or path> data.tokenizer=<name or path>)",
     "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP, or FSDP2 sharding)",
     "logger": "mirrors of metrics.jsonl: none, Weights & Biases (offline unless logged in) or TensorBoard; "
               'pip install -e ".[wandb]" or ".[tensorboard]"; both: logger=[wandb,tensorboard]',
+    "probes": "long-context recall measured at every validation: none, or MQAR and passkey retrieval at several "
+              "lengths (docs/evals.md)",
     "experiment": "presets of several groups and settings (a task with its training length)",
     "sweep": "multirun definitions of sweeps/: python run.py -m sweep=<name>",
     "debug": "checks of a set-up: a few steps of everything, or overfitting one batch",
