@@ -2,9 +2,12 @@
 
     runs    one row per usable run: every summary.json field, `switches` flattened into one column per
             switch (decay, glu, ...), other nested dicts as "versions.torch"-style columns, the resolved
-            config as "config.<group>.<key>" columns, the overrides (a JSON list), plus run_id, path,
-            read_note (what could not be read, empty when everything could) and mfu_median (the median of
-            the run's logged speed/mfu, where summary.json has none).
+            config as "config.<group>.<key>" columns, the overrides (a JSON list), the downstream evals of
+            evals/<task>.json (`python -m k3lab.evaluate`) as "eval/<task>/<measure>" columns, plus run_id,
+            path, read_note (what could not be read, empty when everything could) and mfu_median (the median
+            of the run's logged speed/mfu, where summary.json has none). runs.attrs["higher_is_better"] names
+            the columns where a larger value is better (eval measures as lm-eval says, recall-probe
+            accuracies `probe/.../acc`); every other metric is lower-is-better.
     curves  long table of metrics.jsonl: run_id, step, tokens, flops, metric, value.
     dirs    every directory given or found: used, partially read (a completed run whose metrics.jsonl is
             missing or truncated: its summary and good lines count) or skipped, with the reason.
@@ -166,6 +169,23 @@ def _read_overrides(path: Path) -> Optional[str]:
     return json.dumps([str(i) for i in items]) if isinstance(items, list) else None
 
 
+def read_evals(d: Path) -> tuple[dict, dict, list[str]]:
+    """evals/<task>.json of run directory `d` -> ({"eval/<task>/<measure>": value}, {column: higher is better},
+    the files that could not be read)."""
+    values, higher, bad = {}, {}, []
+    for path in sorted((d / "evals").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            task, metrics = record["task"], record["metrics"]
+        except (OSError, ValueError, KeyError, TypeError):
+            bad.append(path.name)
+            continue
+        for measure, value in metrics.items():
+            values[f"eval/{task}/{measure}"] = value
+        higher.update({f"eval/{task}/{m}": bool(h) for m, h in record.get("higher_is_better", {}).items()})
+    return values, higher, bad
+
+
 def _check_run(d: Path) -> tuple[Optional[dict], list[dict], str, str]:
     """(summary or None, metrics records, state, reason): state 'used'; 'partial' for a completed run
     whose metrics.jsonl is missing, empty or has unparseable lines (its summary and its good lines are
@@ -228,14 +248,19 @@ def collect(paths: Iterable[str | os.PathLike], include_config: bool = True, cur
     read directories."""
     dirs, empty = find_run_dirs(paths)
     ids = _run_ids(dirs)
-    rows, curve_parts, listed = [], [], []
+    rows, curve_parts, listed, higher = [], [], [], {}
     for d, rid in zip(dirs, ids):
         summary, records, state, reason = _check_run(d)
+        evals, eval_higher, bad_evals = read_evals(d) if state != "skipped" else ({}, {}, [])
+        if bad_evals:
+            state, reason = "partial", "; ".join(filter(None, [reason, f"unreadable evals: {', '.join(bad_evals)}"]))
         listed.append({"run_id": rid, "state": state, "reason": reason, "path": str(d),
                        "run_name": (summary or {}).get("run_name", d.name)})
         if state == "skipped":
             continue
-        row = {"run_id": rid, "path": str(d), **summary_row(summary), "read_note": reason}
+        higher.update(eval_higher)
+        higher.update({k: True for k in summary if k.startswith("probe/") and k.endswith("/acc")})
+        row = {"run_id": rid, "path": str(d), **summary_row(summary), **evals, "read_note": reason}
         if "mfu_median" not in row:  # the run's utilisation: the median of its logged speed/mfu
             mfu = [r["speed/mfu"] for r in records if isinstance(r.get("speed/mfu"), (int, float))]
             row["mfu_median"] = float(np.median(mfu)) if mfu else np.nan
@@ -251,6 +276,7 @@ def collect(paths: Iterable[str | os.PathLike], include_config: bool = True, cur
                        "reason": "no run directory here (no summary.json, config.yaml or metrics.jsonl in it "
                                  "or below it)"})
     runs = pd.DataFrame(rows)
+    runs.attrs["higher_is_better"] = higher
     curv = (pd.concat(curve_parts, ignore_index=True) if curve_parts
             else pd.DataFrame(columns=["run_id", "step", "tokens", "flops", "metric", "value"]))
     col = Collection(runs=runs, curves=curv,

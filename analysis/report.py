@@ -133,10 +133,46 @@ def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
             "</details>")
 
 
+def higher_is_better(col: Collection, metric: str) -> bool:
+    """Whether a larger `metric` is better: downstream evals and recall probes as analysis.collect marks them
+    (runs.attrs), every other metric (the losses) lower-is-better."""
+    return bool(col.runs.attrs.get("higher_is_better", {}).get(metric, False))
+
+
+def directed_table(col: Collection, args, metric: str) -> pd.DataFrame:
+    """The ablation table of `metric`, its verdicts worded for the metric's direction: analysis.ablate calls a
+    negative delta better, which for a higher-is-better metric (an accuracy) is worse."""
+    if higher_is_better(col, metric) and args.tune:
+        raise SystemExit(f"analysis.report: --tune picks each option's lowest mean, and {metric} is higher-is-better; "
+                         "tune on a loss (--metric loss_val_final) and show this one with --also-metric")
+    table = table_from_args(col.runs, argparse.Namespace(**{**vars(args), "metric": metric}))
+    if higher_is_better(col, metric) and not table.empty:
+        table["verdict"] = table["verdict"].replace({"better": "worse", "worse": "better"})
+    return table
+
+
+def section_also(rep: Report, col: Collection, args) -> None:
+    """One more ablation table per --also-metric (an eval or probe beside the loss): the cells and tests of
+    the main table, on that metric; its full table in ablation_<metric>.csv."""
+    for metric in args.also_metric:
+        if col.runs.empty or metric not in col.runs:
+            rep.add(f"### `{metric}`", "No run has this column.")
+            continue
+        table = directed_table(col, args, metric)
+        if table.empty:
+            continue
+        name = "ablation_" + "".join(c if c.isalnum() else "_" for c in metric) + ".csv"
+        rep.add(f"### `{metric}` ({'higher' if higher_is_better(col, metric) else 'lower'} is better)",
+                "The cells, statistics and tests of the ablation table above, on this metric.")
+        rep.table(display_table(table))
+        table.to_csv(rep.path(name), index=False)
+        rep.add(f"Full table: [{name}]({name}).")
+
+
 def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFrame]:
     if col.runs.empty or args.metric not in col.runs:
         return None
-    table = table_from_args(col.runs, args)
+    table = directed_table(col, args, args.metric)
     notes = table.attrs.get("notes", [])
     if table.empty:
         if notes:
@@ -146,7 +182,8 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
     print_ablation(table)
     ignored = ", ".join([*BOOKKEEPING, *[c for c in args.ignore.split(",") if c]])
     rep.add("## Ablations",
-            f"Metric `{args.metric}` (lower is better). A cell holds the runs whose whole config.yaml is equal "
+            f"Metric `{args.metric}` ({'higher' if higher_is_better(col, args.metric) else 'lower'} is better). "
+            "A cell holds the runs whose whole config.yaml is equal "
             f"except for the seed, the bookkeeping keys ({ignored}) and the keys under comparison (the switch's "
             "own group" + (", optim.lr, optim.adam_lr and optim.lr_scale" if args.tune else "") + "), and whose "
             f"{', '.join(c for c in args.match.split(',') if c in table.columns)} are equal; `cell` names what "
@@ -497,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the ablation's runs shared a GPU (summary.json's device_shared)")
     p.add_argument("--title", default=None)
     add_ablation_args(p)
+    p.add_argument("--also-metric", action="append", default=[], metavar="COLUMN",
+                   help="another summary column with an ablation table of its own beside --metric's (repeatable), "
+                        "e.g. eval/<task>/acc (python -m k3lab.evaluate) or probe/mqar/1024/acc")
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")
     p.add_argument("--n-boot", type=int, default=400, help="approach-3 bootstrap replicates (0 = none)")
     p.add_argument("--n-boot-small", type=int, default=200, help="bootstrap replicates of approach 2")
@@ -562,6 +602,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
             table = section_ablation(rep, col, args)
         except ValueError as e:  # e.g. a primary comparison with no row to compare
             raise SystemExit(f"analysis.report: {e}") from None
+        section_also(rep, col, args)
         mult = None
         if not col.runs.empty and N_DEFINITIONS[args.n_def] in col.runs:
             df = runs_to_scaling(col.runs.assign(variant=variants), args.n_def, args.c_def, args.d_col, args.loss_col)

@@ -36,7 +36,7 @@ from k3lab.errors import ConfigError, not_a_key, not_an_option, reading_data
 from k3lab.switches import K3_DEFAULT, SWITCHES
 
 KERNEL_BACKENDS = ("auto", "torch", "triton", "fla")
-DATASETS = ("sotu", "text", "mqar", "tokens")
+DATASETS = ("sotu", "text", "mqar", "tokens", "hf")
 TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
@@ -46,6 +46,9 @@ MUON_OPTIONS = ("muon_per_head", "muon")
 LATENT_MOE = ("latent_norm", "latent")
 ROUTED_MOE = ("latent_norm", "latent", "standard")
 SCHEMA_NAME = "k3lab_schema"  # the ConfigStore entry conf/config.yaml starts from
+PROBE_OPTIONS = ("none", "recall")  # probes.name (k3lab/probes.py)
+CPU_PROBE_LENGTHS = (256, 1024)
+GPU_PROBE_LENGTHS = (512, 2048, 8192)
 
 
 def setting(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -310,15 +313,17 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """What the model reads: a document corpus tokenised and cached here (sotu, text), MQAR, or
-    token shards prepared once by `python -m k3lab.data.prepare` (tokens, docs/data.md)."""
-    name: str = "sotu"           # sotu | text | mqar | tokens
+    """What the model reads: a document corpus tokenised and cached here (sotu, text), MQAR, token shards
+    prepared once by `python -m k3lab.data.prepare` (tokens, docs/data.md), or any dataset and tokenizer,
+    made into token shards at the first use (hf, k3lab/data/hf.py)."""
+    name: str = "sotu"           # sotu | text | mqar | tokens | hf
     seq_len: int = setting(256, ge=1)
     batch_size: int = setting(16, ge=1)
-    vocab_size: int = setting(1024, ge=1, only=("sotu", "text"))  # BPE vocabulary (token shards carry their own)
-    tokenizer: str = setting("bpe", only=("sotu", "text"))        # bpe | byte (token shards carry their tokenizer.json)
+    vocab_size: int = setting(1024, ge=1, only=("sotu", "text", "hf"))  # BPE vocabulary (token shards carry their own)
+    # bpe | byte (sotu / text); hf: bpe or a pretrained tokenizer (a name, a tokenizer.json, a folder with one)
+    tokenizer: str = setting("bpe", only=("sotu", "text", "hf"))
     path: Optional[str] = setting(None, only=("text", "tokens"))  # text: a file or folder of .txt / .jsonl; tokens: a folder
-    val_fraction: float = setting(0.05, gt=0, lt=1, only=("sotu", "text"))  # share of documents held out
+    val_fraction: float = setting(0.05, gt=0, lt=1, only=("sotu", "text", "hf"))  # share of documents held out
     cache_dir: str = "${oc.env:K3LAB_CACHE,'~/.cache/k3lab'}"  # sotu / text token cache; env K3LAB_CACHE overrides
     num_workers: int = setting(0, ge=0)
     # mqar (Zoology, arXiv:2312.04927)
@@ -328,15 +333,25 @@ class DataConfig:
     n_val_examples: int = setting(2_000, ge=1, only=("mqar",))
     mqar_power_a: float = setting(0.01, gt=0, only=("mqar",))  # query-gap power-law exponent (Zoology's default)
     mqar_random_non_queries: bool = setting(False, only=("mqar",))  # random filler tokens instead of 0
-    # validation (sotu / text / tokens): at most this many target tokens, in non-overlapping windows
-    val_tokens: int = setting(65_536, ge=1, only=("sotu", "text", "tokens"))
+    # validation (sotu / text / tokens / hf): at most this many target tokens, in non-overlapping windows
+    val_tokens: int = setting(65_536, ge=1, only=("sotu", "text", "tokens", "hf"))
+    # hf (k3lab/data/hf.py)
+    dataset: Optional[str] = setting(None, only=("hf",))      # a Hugging Face dataset name, or a local folder or file
+    hf_config: Optional[str] = setting(None, only=("hf",))    # the dataset's configuration (subset)
+    hf_split: Optional[str] = setting(None, only=("hf",))     # its split; null: train
+    text_column: Optional[str] = setting(None, only=("hf",))  # the column that holds the text; null: text
+    max_docs: Optional[int] = setting(None, ge=2, only=("hf",))  # the first N documents of the split only
+    eod_token: Optional[str] = setting(None, only=("hf",))    # a pretrained tokenizer's end-of-document token;
+                                                             # null: its eos, bos or sep
 
     def check(self, typed_keys: frozenset[str] = frozenset()) -> "DataConfig":
         """The settings, and that data.path exists where the corpus needs one (its files are read later)."""
         check_choice("data.name", self.name, DATASETS)
-        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        if self.name != "hf":
+            check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_fields("data", self, typed_keys)
-        if self.name in ("sotu", "text") and self.tokenizer == "bpe" and self.vocab_size <= 257:
+        self._check_hf()
+        if self.name in ("sotu", "text", "hf") and self.tokenizer == "bpe" and self.vocab_size <= 257:
             raise ConfigError(f"data.vocab_size={self.vocab_size} is too small for byte-level BPE (needs > 257); "
                               "use data.tokenizer=byte for plain bytes")
         if self.name in ("text", "tokens"):
@@ -348,6 +363,56 @@ class DataConfig:
             if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
                 raise ConfigError(f"data.path {self.path!r} cannot be read (permissions)")
         return self
+
+    def _check_hf(self) -> None:
+        """The keys of data=hf: set there and only there, none of them doing nothing."""
+        hf_keys = {"dataset": self.dataset, "hf_config": self.hf_config, "hf_split": self.hf_split,
+                   "text_column": self.text_column, "max_docs": self.max_docs, "eod_token": self.eod_token}
+        if self.name != "hf":
+            for key, value in hf_keys.items():
+                if value is not None:
+                    raise ConfigError(f"data.{key}={value!r} applies to data=hf only (data={self.name})")
+            return
+        if not self.dataset:
+            raise ConfigError("data=hf needs data.dataset=<a Hugging Face dataset name, or a local folder or file>")
+        if self.path is not None:
+            raise ConfigError(f"data.path={self.path!r} does not apply to data=hf: name the corpus with data.dataset")
+        if self.tokenizer == "byte":
+            raise ConfigError("data.tokenizer='byte' is not an option of data=hf; valid: bpe, or a pretrained "
+                              "tokenizer (a Hugging Face name, a tokenizer.json, a folder with one)")
+        if self.tokenizer == "bpe" and self.eod_token is not None:
+            raise ConfigError(f"data.eod_token={self.eod_token!r} applies to a pretrained tokenizer; "
+                              "data.tokenizer=bpe ends documents with its own <|endoftext|>")
+
+
+@dataclass
+class ProbesConfig:
+    """Long-context recall probes at every validation (k3lab/probes.py): `none`, or `recall` (MQAR and a passkey
+    retrieval at each of `lengths`)."""
+    name: str = "none"                   # none | recall
+    # sequence lengths; null: CPU_PROBE_LENGTHS on CPUs, GPU_PROBE_LENGTHS on GPUs
+    lengths: Optional[list[int]] = setting(None, ge=1, only=("recall",))
+    examples: int = setting(64, ge=1, only=("recall",))       # sequences per probe and length
+    batch_size: int = setting(8, ge=1, only=("recall",))      # sequences per forward
+    mqar_pairs: int = setting(16, ge=1, only=("recall",))     # MQAR key-value pairs (chance 1 / mqar_pairs)
+    passkey_digits: int = setting(5, ge=1, only=("recall",))  # passkey length in digits (chance 1/10 per digit)
+
+    def check(self, typed_keys: frozenset[str] = frozenset()) -> "ProbesConfig":
+        check_choice("probes.name", self.name, PROBE_OPTIONS)
+        check_fields("probes", self, typed_keys)
+        shortest = max(4 * self.mqar_pairs, 2 * (self.passkey_digits + 2))
+        for length in self.lengths or ():
+            if length < shortest:
+                raise ConfigError(f"probes.lengths: {length} is shorter than {shortest}, the least that holds "
+                                  f"{self.mqar_pairs} MQAR pairs with their queries and two passkeys of "
+                                  f"{self.passkey_digits} digits with their markers")
+        return self
+
+    def resolved_lengths(self, accelerator: str) -> list[int]:
+        """`lengths`, or the default of the device the run trains on."""
+        if self.lengths:
+            return list(self.lengths)
+        return list(CPU_PROBE_LENGTHS if accelerator == "cpu" else GPU_PROBE_LENGTHS)
 
 
 @dataclass
@@ -455,6 +520,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """The ModelConfig the model is built from: this run's shape, switches and kernel settings."""
@@ -477,6 +543,12 @@ class RunConfig:
 
             with reading_data():
                 tokens.read_meta(self.data.path)
+        if self.data.name == "hf":  # the tokenizer and a local dataset exist (a Hub dataset is read when building)
+            from k3lab.data import hf
+
+            with reading_data():
+                hf.resolve_tokenizer(self.data)
+                hf.resolve_dataset(self.data)
         check_fields("model", self.model)
         for switch in ("decay", "moe", "optim"):
             getattr(self, switch).check(typed_keys)
@@ -485,6 +557,7 @@ class RunConfig:
         check_fields("kernels", self.kernels)
         self.model_config(vocab_size=1)  # every switch, the kernels backend and the model's shape
         self.trainer.check()
+        self.probes.check(typed_keys)
         self.check_kernels()
         compile_mode(self)
         self.logger.check()

@@ -79,10 +79,13 @@ GROUPS: dict[str, str] = {
     "model": "model size (ladder: one depth dial, width = model.aspect x model.n_layers); the other model settings "
              "keep their defaults (k3lab/config.py, ModelShape)",
     "data": "what the model reads: State of the Union text (no download), your text (data=text data.path=<file or "
-            "folder>), MQAR recall, or token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>)",
+            "folder>), MQAR recall, token shards (data=tokens data.path=<folder from python -m k3lab.data.prepare>), or "
+            "any dataset and tokenizer (data=hf data.dataset=<name or path> data.tokenizer=<name or path>)",
     "trainer": "where it trains: the CPU, one GPU, or every GPU of the node (DDP, or FSDP2 sharding)",
     "logger": "mirrors of metrics.jsonl: none, Weights & Biases (offline unless logged in) or TensorBoard; "
               'pip install -e ".[wandb]" or ".[tensorboard]"; both: logger=[wandb,tensorboard]',
+    "probes": "long-context recall measured at every validation: none, or MQAR and passkey retrieval at several "
+              "lengths (docs/evals.md)",
     "experiment": "presets of several groups and settings (a task with its training length)",
     "sweep": "multirun definitions of sweeps/: python run.py -m sweep=<name>",
     "debug": "checks of a set-up: a few steps of everything, or overfitting one batch",

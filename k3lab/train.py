@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from k3lab.budget import run_length
 from k3lab.config import RunConfig, TrainerConfig, check_config, compile_mode
 from k3lab.data import K3DataModule
+from k3lab.data.tokenizer import save_to_run
 from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule, TrainMetrics
@@ -48,9 +49,11 @@ from k3lab.model import K3Model
 from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
+from k3lab.probes import RecallProbes
 from k3lab.progress import print_final, print_run_header, progress_callback
 from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, cpu_load,
-                          cpu_threads, device_sharing, environment, prepare_run_dir, read_metrics, truncate_metrics, write_metrics_csv)
+                          cpu_threads, device_sharing, environment, prepare_run_dir, read_metrics, truncate_metrics,
+                          write_metrics_csv)
 from k3lab.switches import SWITCHES
 
 
@@ -117,13 +120,15 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
                        tokens_per_param=run.train.tokens_per_param, flop_budget=run.train.flop_budget,
                        **counts, flops_per_token=fpt, unigram_entropy=datamodule.unigram_entropy(), **environment(),
                        **device_sharing(load_start, torch.get_num_threads()))
+        if datamodule.lm is not None and rank_zero_only.rank == 0:  # text data: sampling and evals read it there
+            summary.update(tokenizer=save_to_run(datamodule.lm.tokenizer, run_dir))
         print_run_header(run, run_dir, counts, fpt, datamodule.unigram_entropy(), tokens_per_step, length)
 
         if run.logger.wandb is not None:
             summary.update(wandb_id=summary.data.get("wandb_id") or uuid.uuid4().hex[:12])  # one wandb run per directory
         loggers = build_loggers(run, run_dir, tokens_per_step, fpt, start_step, summary.data.get("wandb_id"))
         trainer = job.trainer = build_trainer(run, run_dir, loggers, datamodule.n_val_batches, length.max_steps,
-                                              [preemption, *callbacks])
+                                              [preemption, *probe_callbacks(run, datamodule), *callbacks])
         datamodule.set_start_step(start_step)
         if ckpt_path is None:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the step-0 point of every curve
@@ -152,6 +157,16 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         rank_zero_only(plot_depth_diagnostics)(module.last_depth, run_dir / "plots")
     print_final(summary.data)
     return summary.data
+
+
+def probe_callbacks(run: RunConfig, datamodule: K3DataModule) -> list[Callback]:
+    """The recall probes of probes=recall (k3lab.probes), on the model's vocabulary without its end-of-document
+    token; none under probes=none."""
+    probes = run.probes
+    if probes.name == "none":
+        return []
+    eod = (datamodule.lm.tokenizer.eod_id,) if datamodule.lm is not None else ()
+    return [RecallProbes(probes, probes.resolved_lengths(run.trainer.accelerator), datamodule.vocab_size, eod)]
 
 
 def record_failure(summary: Summary, err: BaseException, fields: dict) -> None:
@@ -276,8 +291,9 @@ def build_trainer(run: RunConfig, run_dir: Path, loggers: list, n_val_batches: i
 
 def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int = 0, fpt: float = 0.0,
                  train_tokens: int = 0) -> dict:
-    """The summary.json fields known at the end: length, FLOPs, speed, memory and the final losses (a run
-    that failed before its model was built has only the losses and speed its metrics hold)."""
+    """The summary.json fields known at the end: length, FLOPs, speed, memory, the final losses and the last
+    value of every recall probe, `probe/...` (a run that failed before its model was built has only the losses
+    and speed its metrics hold)."""
     rows = read_metrics(run_dir)
     val = [r["loss/val"] for r in rows if r.get("loss/val") is not None]
     train_loss = [r["loss/train"] for r in rows if r.get("loss/train") is not None]
@@ -293,6 +309,7 @@ def final_fields(run_dir: Path, counts: dict | None = None, tokens_per_step: int
         "peak_memory_mb": peak_memory_mb(),
         "loss_val_final": val[-1] if val else None, "loss_val_best": min(val) if val else None,
         "loss_train_final": train_loss[-1] if train_loss else None, "acc_val_final": acc[-1] if acc else None,
+        **{key: value for r in rows for key, value in r.items() if key.startswith("probe/")},
     }
 
 

@@ -16,3 +16,27 @@ def isolated_cache(tmp_path, monkeypatch):
 def corpus(tmp_path) -> Path:
     """This test's own small text corpus (test_train.small_corpus)."""
     return small_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """The run directory of 6 steps of a small model on small_corpus with a BPE of 300 tokens and recall probes
+    at lengths 64 and 128, trained in this process with a tokenizer cache of its own: for the tests that read a
+    run (sampling, evaluation, probes)."""
+    import os
+
+    from test_train import FAST, run_inprocess
+
+    base = tmp_path_factory.mktemp("trained_run")
+    before = os.environ.get("K3LAB_CACHE")
+    os.environ["K3LAB_CACHE"] = str(base / "cache")
+    try:
+        run_inprocess(["data=text", f"data.path={small_corpus(base / 'corpus')}", f"out_dir={base / 'runs'}", *FAST,
+                       "train.max_steps=6", "run_name=r", "probes=recall", "probes.lengths=[64,128]",
+                       "probes.examples=8"])
+    finally:
+        if before is None:
+            os.environ.pop("K3LAB_CACHE")
+        else:
+            os.environ["K3LAB_CACHE"] = before
+    return base / "runs" / "default" / "r"

@@ -22,7 +22,8 @@ damaged after it was written) is built again, with a line that says so; building
 and after, with the time it took.
 
 Token shards (`tokens`, made by `python -m k3lab.data.prepare`, format in `k3lab.data.tokens`) are
-memory-mapped from `data.path` as they are; the vocabulary comes from their meta.json.
+memory-mapped from `data.path` as they are; the vocabulary comes from their meta.json. `hf` builds such
+shards once from a dataset and a tokenizer into the cache (`k3lab.data.hf`) and reads them the same way.
 """
 from __future__ import annotations
 
@@ -201,7 +202,11 @@ def load_tokens(cfg: DataConfig) -> LMData:
     """The token shards at `data.path` (`k3lab.data.tokens`), memory-mapped; nothing is built."""
     if not cfg.path:
         raise ValueError("data=tokens needs data.path (a folder made by python -m k3lab.data.prepare)")
-    folder = Path(cfg.path).expanduser()
+    return load_shards(Path(cfg.path).expanduser())
+
+
+def load_shards(folder: Path) -> LMData:
+    """A folder of token shards (`k3lab.data.tokens`), memory-mapped."""
     meta = tokens.read_meta(folder)
     tok = BPETokenizer.load(folder / tokens.TOKENIZER, eod_token=meta["tokenizer"]["eod_token"])
     return LMData(tokens.open_split(folder, meta, "train"), tokens.open_split(folder, meta, "val"), tok, meta,
@@ -321,7 +326,7 @@ class FixedBatches(Dataset):
 
 
 class K3DataModule(L.LightningDataModule):
-    """sotu / text / mqar / tokens, chosen by `cfg.name`. Call `setup()` (Lightning does) before
+    """sotu / text / mqar / tokens / hf, chosen by `cfg.name`. Call `setup()` (Lightning does) before
     reading `vocab_size`, `train_tokens` or `unigram_entropy()`."""
 
     def __init__(self, cfg: DataConfig, seed: int = 0):
@@ -337,9 +342,14 @@ class K3DataModule(L.LightningDataModule):
     # -- Lightning hooks ---------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Build the text cache (runs on local rank 0 only under DDP); MQAR and token shards need nothing."""
+        """Build the text cache or the shards of data=hf (runs on local rank 0 only under DDP); MQAR and token
+        shards need nothing."""
         if self.cfg.name in ("sotu", "text"):
             self.lm = prepare_lm(self.cfg)
+        elif self.cfg.name == "hf":
+            from .hf import prepare_hf
+
+            self.lm = load_shards(prepare_hf(self.cfg))
 
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
@@ -438,7 +448,10 @@ class K3DataModule(L.LightningDataModule):
     def _setup_lm(self) -> None:
         cfg, T = self.cfg, self.cfg.seq_len
         if self.lm is None:  # other ranks, or prepare_data was not called: load (or build) the cache
-            self.lm = load_tokens(cfg) if cfg.name == "tokens" else prepare_lm(cfg)
+            if cfg.name == "tokens":
+                self.lm = load_tokens(cfg)
+            else:
+                self.prepare_data()
         self.vocab_size = int(self.lm.meta["vocab_size"])
         n_train = (len(self.lm.train) - 1) // T
         n_val_all = (len(self.lm.val) - 1) // T
@@ -451,7 +464,7 @@ class K3DataModule(L.LightningDataModule):
         # windows spread evenly over the validation stream; stride T, so no target is scored twice
         val_windows = np.unique(np.linspace(0, n_val_all - 1, n_val).round().astype(np.int64))
         self.val_x, self.val_y = window_batch(self.lm.val, val_windows * T, T)
-        if cfg.name == "tokens":  # windows from any token on, drawn with replacement (nanoGPT)
+        if cfg.name in ("tokens", "hf"):  # token shards: windows from any token on, drawn with replacement (nanoGPT)
             self._sampler, self._stride = RandomWindows(len(self.lm.train) - T, self.seed), 1
         else:  # the non-overlapping windows of the packed stream, each once per epoch
             self._sampler, self._stride = EpochPermutation(n_train, self.seed), T

@@ -13,7 +13,9 @@
   PATH          a local file or folder: each .txt file one document, each .jsonl line and each
                 .parquet row another (`--text-column`); `data=text data.path=PATH` reads the same
                 .txt / .jsonl documents under the same ids
-  hf:NAME       a Hugging Face dataset, streamed with `datasets.load_dataset(NAME, streaming=True)`
+  hf:NAME       a Hugging Face dataset, streamed with `datasets.load_dataset(NAME, streaming=True)`; NAME may
+                be a local folder laid out as a dataset repository, or a file, which `datasets` reads as
+                the Hub would (`hf_rows`)
 
 The steps: the documents go into a local Arrow table (`datasets.Dataset.from_generator`, in a
 temporary folder inside `--out`, removed at the end); the split is by document, with the ids and
@@ -86,12 +88,29 @@ def iter_documents(source: Source) -> Iterator[corpus.Document]:
     elif source.kind == "path":
         docs = corpus.iter_text_documents(source.name, source.text_column, corpus.LOCAL_SUFFIXES, "--source")
     else:
-        import datasets
-
-        name = source.name[len(HF_PREFIX):]
-        rows = datasets.load_dataset(name, source.hf_config, split=source.hf_split, streaming=True)
+        rows = hf_rows(source.name[len(HF_PREFIX):], source.hf_config, source.hf_split)
         docs = corpus.stream_documents(rows, source.hf_split, source.text_column, source.name)
     return itertools.islice(docs, source.max_docs)
+
+
+# the `datasets` builder of a single local file, by its suffix
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
+                 ".arrow": "arrow"}
+
+
+def hf_rows(name: str, config: str | None, split: str):
+    """The rows of one split of a dataset, streamed by `datasets`: NAME a Hugging Face dataset id, a local
+    folder (its format and splits read from its file names, as for a dataset repository on the Hub) or a
+    local file (its builder from its suffix, FILE_BUILDERS; all of it is the split)."""
+    import datasets
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix not in FILE_BUILDERS:
+            raise ValueError(f"{name}: not a file `datasets` reads; suffixes: {', '.join(FILE_BUILDERS)}")
+        return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files={split: str(path)}, split=split,
+                                     streaming=True)
+    return datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split, streaming=True)
 
 
 def _records(source: Source) -> Iterator[dict]:

@@ -109,6 +109,26 @@ class BPETokenizer:
 
 Tokenizer = ByteTokenizer | BPETokenizer
 
+RUN_FILE = "tokenizer.json"  # a run directory's copy of its BPE tokenizer (docs/run_directory.md)
+
+
+def save_to_run(tokenizer: Tokenizer, run_dir: str | os.PathLike) -> dict:
+    """Keep the tokenizer a run trained with in its directory, so that sampling and evaluation need nothing
+    else: a BPE tokenizer as `<run_dir>/tokenizer.json`. Returns summary.json's `tokenizer` entry (kind,
+    vocab_size, eod_id, eod_token), which `load_from_run` reads back."""
+    entry = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    if isinstance(tokenizer, BPETokenizer):
+        tokenizer.save(Path(run_dir) / RUN_FILE)
+        entry.update(file=RUN_FILE, eod_token=tokenizer.eod_token)
+    return entry
+
+
+def load_from_run(run_dir: str | os.PathLike, entry: dict) -> Tokenizer:
+    """The tokenizer that `save_to_run` kept in `run_dir`, from its summary.json entry."""
+    if entry["kind"] == ByteTokenizer.kind:
+        return ByteTokenizer()
+    return BPETokenizer.load(Path(run_dir) / entry["file"], eod_token=entry["eod_token"])
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds ids 0 .. vocab_size - 1: uint16 up to 65536 entries, else uint32."""

@@ -4,6 +4,8 @@
 
 With targets, `forward(tokens, targets)` returns the cross-entropy instead of the logits, through
 k3lab.model.loss.linear_cross_entropy: the head's logits are formed chunk by chunk and never held whole.
+`logits_at` keeps only the logits of chosen positions (evaluation, recall probes); `cache` (from
+`empty_cache`) makes the call continue a sequence from its mixers' inference states (k3lab.generate).
 
 Every sublayer is PreNorm (`f(RMSNorm(x))`); how its input is formed and its output joins the stream is
 the `residual` switch (k3lab.model.residual). Embeddings are untied by default: K3 unties them, and
@@ -36,15 +38,15 @@ from k3lab.model.tags import tags_by_param
 
 
 class PreNorm(nn.Module):
-    """x -> f(RMSNorm(x))."""
+    """x -> f(RMSNorm(x)); extra arguments (a mixer's inference cache) go to f."""
 
     def __init__(self, dim: int, fn: nn.Module, eps: float):
         super().__init__()
         self.norm = RMSNorm(dim, eps)
         self.fn = fn
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(self.norm(x))
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return self.fn(self.norm(x), *args)
 
 
 def build_ffn(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -131,11 +133,22 @@ class K3Model(nn.Module):
             "params_active_non_embedding": total - inactive - embedding,
         }
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | TokenLoss:
+    def empty_cache(self, batch_size: int) -> list:
+        """The inference state of B empty sequences for `forward(..., cache=)`: per sublayer, its mixer's cache
+        (k3lab.model.kda.KDACache, k3lab.model.mla.MLACache), None for the FFNs, which see one position at a
+        time. The residual stream needs none: every op of it, AttnRes included, mixes over depth at one position."""
+        dtype = self.embed.weight.dtype
+        return [sub.fn.empty_cache(batch_size, dtype) if hasattr(sub.fn, "empty_cache") else None
+                for sub in self.sublayers]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                logits_at: torch.Tensor | None = None, cache: list | None = None) -> torch.Tensor | TokenLoss:
         """tokens [B, T] (int64) -> logits [B, T, vocab] (fp32); with targets [B, T] (int64, -100 = no loss)
         -> TokenLoss (k3lab.model.loss): the summed cross-entropy over the targets != -100 (0-dim fp32), how
         many of them the argmax predicts and how many there are, the logits formed a chunk of tokens at a
-        time (kernels.ce_chunk) and never whole.
+        time (kernels.ce_chunk) and never whole. logits_at, a bool mask [B, T]: the logits of those positions
+        alone, [M, vocab] in row-major order. cache (`empty_cache`, updated in place): the T tokens continue
+        the sequences it holds, each mixer in its inference form (KDA's recurrent state, MLA's latent cache).
 
         Under torch.compile, traced whole, the sublayer loop unrolls into the graph with the residual's
         bookkeeping. A graph break inside a sublayer (data-dependent MoE routing, the torch KDA path) makes
@@ -144,12 +157,18 @@ class K3Model(nn.Module):
         AttnRes, the number of depth sources), would then be compiled once per sublayer until dynamo's
         recompile limit. In that case they run eagerly (`_seam`), the sublayers compiled as before.
         """
+        if logits_at is not None and targets is not None:
+            raise ValueError("logits_at selects logits to return; with targets the loss is returned instead")
         call = _call if torch.compiler.is_compiling() else _seam
         res = self.residual
         state = call(res.begin, self.embed(tokens))
         for i, sublayer in enumerate(self.sublayers):
-            state = call(res.write, state, i, sublayer(call(res.read, state, i)))
+            x = call(res.read, state, i)
+            out = sublayer(x) if cache is None or cache[i] is None else sublayer(x, cache[i])
+            state = call(res.write, state, i, out)
         h = self.norm(call(res.end, state))                                   # [B, T, D]
+        if logits_at is not None:
+            h = h[logits_at]                                                  # [M, D]
         if targets is None:
             return self.lm_head(h).float()
         return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten(), IGNORE_INDEX,

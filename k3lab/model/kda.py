@@ -17,8 +17,14 @@ kernel benchmark times), on the torch and fla backends the same math in PyTorch 
 `kernels.kda.kda`. With kernels.checkpoint_kda the short convs and that call (`KDA.mix`) run under
 torch.utils.checkpoint: the backward reruns them from their inputs (the projections of q, k, v, z and beta,
 A_log, dt_bias) instead of keeping the conv outputs and the call's intermediates.
+
+Inference (`forward(x, cache)`, k3lab.generate): a `KDACache` holds each short conv's last conv_size - 1
+inputs and the recurrent state S [B, H, K, V], constant memory per token. A single new token runs the
+recurrence itself (`kernels.kda.kda_recurrent`); a longer input (a prompt) runs the chunkwise form from the
+cached state. Both continue exactly the sequence `forward(x)` would have seen, up to rounding.
 """
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -28,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from k3lab.config import ModelConfig
 from k3lab.model.norm import RMSNorm
 from k3lab.model.tags import tag
-from kernels.kda import kda, kda_gated, log_decay
+from kernels.kda import gated_inputs, kda, kda_gated, kda_recurrent, log_decay
 from kernels.short_conv import short_conv
 
 
@@ -55,6 +61,20 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return short_conv(x, self.conv.weight[:, 0, :], self.backend)
+
+    def step(self, x: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C], the inputs that follow `past` [B, size - 1, C] (zeros before a sequence's start) ->
+        (y [B, T, C], the last size - 1 inputs): `forward` of the whole sequence, T positions at a time."""
+        seen = torch.cat([past, x], dim=1)
+        return self(seen)[:, past.shape[1]:], seen[:, seen.shape[1] - past.shape[1]:]
+
+
+@dataclass
+class KDACache:
+    """One KDA layer's inference state for B sequences: `conv` the last conv_size - 1 inputs of the q, k and
+    v short convs [B, conv_size - 1, H*K] each, `state` the recurrent state S [B, H, K, K] (fp32)."""
+    conv: list[torch.Tensor]
+    state: torch.Tensor
 
 
 class KDA(nn.Module):
@@ -108,11 +128,39 @@ class KDA(nn.Module):
                          recompute_chunks=self.recompute_chunks, keep_intra=self.keep_intra, core=kda)
         return o
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def empty_cache(self, batch_size: int, dtype: torch.dtype = torch.float32) -> KDACache:
+        """The state before a sequence's first token: zero conv inputs, S = 0."""
+        device, HK = self.q_proj.weight.device, self.n_heads * self.head_dim
+        size = self.q_conv.conv.kernel_size[0]
+        return KDACache(conv=[torch.zeros(batch_size, size - 1, HK, device=device, dtype=dtype) for _ in range(3)],
+                        state=torch.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device))
+
+    def mix_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.Tensor,
+                 beta_logits: torch.Tensor, cache: KDACache) -> torch.Tensor:
+        """`mix` continuing the sequence of `cache` (updated in place) with T new positions -> o [B, T, H, K]:
+        T = 1 is one step of the recurrence (Kimi Linear eq. 1), T > 1 the chunkwise form from the cached S."""
+        B, T, _ = q.shape
+        heads = lambda t: t.view(B, T, self.n_heads, self.head_dim)  # noqa: E731
+        stepped = [conv.step(t, past) for conv, t, past in zip((self.q_conv, self.k_conv, self.v_conv), (q, k, v),
+                                                               cache.conv)]
+        (q, k, v), cache.conv = [heads(y) for y, _ in stepped], [past for _, past in stepped]
+        gate = dict(A_log=self.A_log, dt_bias=self.dt_bias, decay=self.decay.name, g_min=self.decay.g_min)
+        if T == 1:
+            q, k, g, beta = gated_inputs(q, k, heads(z), beta_logits, **gate)
+            o, cache.state = kda_recurrent(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+        else:
+            o, cache.state = kda_gated(q, k, v, heads(z), beta_logits, **gate, initial_state=cache.state,
+                                       output_final_state=True, backend=self.backend)
+        return o
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; with `cache`, the T positions continue the cached sequence (inference)."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         inputs = (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_up(self.f_down(x)), self.b_proj(x))
-        if self.checkpoint_kda and torch.is_grad_enabled():  # nothing random inside: no RNG state to keep
+        if cache is not None:
+            o = self.mix_step(*inputs, cache)
+        elif self.checkpoint_kda and torch.is_grad_enabled():  # nothing random inside: no RNG state to keep
             o = checkpoint(self.mix, *inputs, use_reentrant=False, preserve_rng_state=False)
         else:
             o = self.mix(*inputs)
