@@ -97,11 +97,19 @@ def test_two_length_settings_are_one_error_before_any_run_directory(corpus, tmp_
 
 
 @pytest.mark.parametrize("extra, message", [
-    ("train.tokens_per_param=0", "train.tokens_per_param=0 must be a positive number"),
+    ("train.tokens_per_param=0", "train.tokens_per_param=0.0 must be a positive number"),
     ("train.flop_budget=-1.0", "train.flop_budget=-1.0 must be a positive number"),
-    ("train.max_steps=2.5", "train.max_steps=2.5 must be a positive integer"),
+    ("train.max_steps=0", "train.max_steps=0 must be a positive integer"),
 ])
 def test_bad_length_values_fail_naming_the_key(corpus, tmp_path, extra, message):
     overrides = byte_args(corpus, tmp_path, extra)
     with pytest.raises(ValueError, match=re.escape(message)):
         train(compose_run(overrides), overrides=overrides)
+
+
+def test_a_length_of_the_wrong_type_fails_as_the_config_is_composed(corpus, tmp_path):
+    from k3lab.errors import user_message
+
+    with pytest.raises(Exception) as err:
+        compose_run(byte_args(corpus, tmp_path, "train.max_steps=2.5"))
+    assert user_message(err.value) == "train.max_steps=2.5 is not an integer or null"

@@ -62,8 +62,8 @@ def composed(*overrides: str):
     (["residual=standard", "residual.n_blocks=8"], "residual.n_blocks=8 acts with residual=block_attnres only: "
                                                    "residual=standard does not read it; drop it"),
     (["glu=swiglu", "glu.b1=3"], "glu.b1=3.0 acts with glu=situ only: glu=swiglu does not read it; drop it"),
-    (["data=mqar", "data.vocab_size=512"], "data.vocab_size=512 acts with data=sotu/text only: data=mqar does not "
-                                           "read it; drop it"),
+    (["data=mqar", "data.vocab_size=512"], "data.vocab_size=512 acts with data=sotu/text/hf only: data=mqar does "
+                                           "not read it; drop it"),
     (["balance=aux", "moe=dense"], "balance=aux balances a router, and moe=dense has none: drop balance= (or choose "
                                    "a routed moe: latent_norm, latent, standard)"),
     (["moe=dense", "kernels.checkpoint_experts=true"], "kernels.checkpoint_experts=true acts on routed experts only: "
