@@ -176,11 +176,11 @@ def test_keep_experts_leaves_the_last_moe_layers_unchecked(keep, first_dense, wa
     (dict(checkpoint_experts=True, keep_experts=-1), "kernels.keep_experts=-1 must be >= 0"),
     (dict(keep_experts=2), "kernels.keep_experts acts with kernels.checkpoint_experts=true only")])
 def test_keep_experts_refuses_what_it_cannot_do(kernels, message):
-    from k3lab.config import KernelsConfig, ModelConfig
+    from k3lab.config import KernelsConfig, RunConfig
     from k3lab.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        ModelConfig(n_layers=2, vocab_size=64, kernels=KernelsConfig(**kernels)).validate()
+        RunConfig(kernels=KernelsConfig(**kernels)).check()
 
 
 def test_256_experts_loop_dispatch():
