@@ -2,7 +2,9 @@
 (``--help`` lists its options); each prints its table to the terminal. ``conv_bench``, ``kda_bench``,
 ``kda_train_check``, ``kernel_resources``, ``muon_bench``, ``qb_lag`` and ``step`` also write it to
 ``--out PATH``; the two that train (``kda_train_check``, ``qb_lag``) leave run directories. Measured tables,
-with command, commit, date and machine: ``benchmarks/RESULTS.md``.
+with command, commit, date and machine: ``benchmarks/RESULTS.md``. Every benchmark times a callable through
+``benchmarks.timing`` (the median call and its interquartile range; ``triton.testing.do_bench`` on CUDA) and
+prints its Markdown tables through pandas (``benchmarks.table``).
 
 - ``kda_bench``: KDA kernels, forward and forward+backward time of ours vs fla's ``chunk_kda``, the
   plain PyTorch path and causal SDPA; ``--check`` bf16 accuracy, ``--profile`` per-kernel GPU time.

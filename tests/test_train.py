@@ -165,7 +165,7 @@ def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
     """benchmarks.qb_lag rides along as a callback: the run's curve is bit-identical to a plain run, its
     `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
     well as one K3 update."""
-    from benchmarks.qb_lag import QBLagProbe
+    from benchmarks.qb_lag import KEYS, QBLagProbe
 
     args = overrides(corpus, tmp_path, "train.max_steps=4", "train.val_every=4")
     plain = run_inprocess([*args, "run_name=plain"])
@@ -180,6 +180,8 @@ def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
         assert r["actual"] == pytest.approx(logged[r["step"]])
         assert r["own_fixed"] <= r["own_update"] + 1e-9
     assert len((tmp_path / "lag.jsonl").read_text().splitlines()) == 4
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in probe.summary().splitlines()]
+    assert table[0] == ["steps", *KEYS] and [r[0] for r in table[2:]] == ["1-1", "2-2", "3-3", "4-4"], table
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch):
