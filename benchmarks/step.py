@@ -14,7 +14,7 @@ empty set, or none given, is the positional overrides alone). For each variant:
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
   torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile() when train.compile says so
-  (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches
+  (k3lab.train.compile_model, with train.activation_memory_budget and train.compile_mode); the configured data's training batches
   of the first steps, put on the device beforehand (and used again in turn when the timer asks for more steps). --warmup
   steps, then about --steps steps timed one by one by benchmarks.timing (the median step and its interquartile range;
   do_bench on CUDA); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
@@ -207,7 +207,9 @@ def saved_tensors_table(forward, rows: int = 12) -> str:
 def training_step(model: K3Model, opt, sched, clip: float, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
     """One step of the bare loop on the batch x, y [B, T]: the loss (mean cross-entropy + router aux loss)
     under `autocast`, backward, gradient clipping to `clip` (k3lab.lit.clip_grad_norm), optimizer and
-    LR-scheduler step, zero_grad and the router-bias update, as the training module does."""
+    LR-scheduler step, zero_grad and the router-bias update, as the training module does (which also marks
+    each step's start for CUDA graphs: k3lab.lit.K3LitModule.training_step)."""
+    torch.compiler.cudagraph_mark_step_begin()
     with autocast:
         loss = model(x, y).mean + model.aux_loss()
     loss.backward()
@@ -259,7 +261,10 @@ def compiled_graphs() -> str:
     counters = torch._dynamo.utils.counters
     breaks = counters["unimplemented"]
     reasons = "".join(f"\n    {n} x {reason.splitlines()[0]}" for reason, n in breaks.most_common(3))
-    return f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{reasons}"
+    skips = counters["inductor"]["cudagraph_skips"]  # train.compile_mode=reduce-overhead: graphs not recorded
+    skipped = f", {skips} graphs not recorded as CUDA graphs (TORCH_LOGS=perf_hints says why)" if skips else ""
+    return (f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{skipped}"
+            f"{reasons}")
 
 
 def profiler(device: torch.device) -> torch.profiler.profile:

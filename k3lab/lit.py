@@ -17,8 +17,10 @@ Reading at the log and checkpoint steps, rather than keeping a device-side flag 
 costs no sync beyond the one logging needs and keeps the optimizer's code as it is. Validation sums its
 loss, hits and counts on the device and reads them once, at its end.
 
-train.compile compiles the model (k3lab.train.compile_mode); training steps run it compiled, validation
-eagerly (validation_step says why).
+train.compile compiles the model (k3lab.train.compile_model); training steps run it compiled, validation
+eagerly (validation_step says why). Each training step marks its start for torch's CUDA graph trees
+(train.compile_mode=reduce-overhead), so that a step's recorded graphs may reuse the memory of the previous
+step's outputs; what the module keeps of a step's outputs (the window's losses) it copies within the step.
 
 Under trainer=fsdp, `configure_model` shards the model (k3lab.parallel); the reads above are then one
 all-reduce over every data-parallel rank, as under DDP.
@@ -158,6 +160,7 @@ class K3LitModule(L.LightningModule):
     # --- training -------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         x, y = batch
+        torch.compiler.cudagraph_mark_step_begin()
         loss = self.model(x, y).mean
         self._step_loss = loss.detach()
         self._steps += 1

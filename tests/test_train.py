@@ -412,6 +412,47 @@ def test_activation_memory_budget_needs_a_compiled_model():
         check_config(zero)
 
 
+def test_compile_mode_reaches_torch_compile_and_is_refused_where_it_records_nothing():
+    """train.compile_mode goes to model.compile as torch.compile's mode (default included); reduce-overhead,
+    which records CUDA graphs of inductor's kernels, is refused in one line without a compiled model, with a
+    backend that makes no kernels, and on the CPU (tests/test_messages.py: the command line's message); an
+    unknown mode names the valid ones."""
+    from dataclasses import replace
+
+    from k3lab.config import RunConfig, TrainConfig, TrainerConfig, compile_mode
+    from k3lab.errors import user_message
+    from k3lab.train import compile_model
+
+    class Recorder(torch.nn.Module):
+        def compile(self, **kwargs):
+            self.kwargs = kwargs
+
+    gpu = TrainerConfig(accelerator="gpu")  # not checked: this machine may have no CUDA
+    graphs = RunConfig(trainer=gpu, train=TrainConfig(compile_mode="reduce-overhead"))
+    for run, mode in ((RunConfig(train=TrainConfig(compile=True)), "default"), (graphs, "reduce-overhead")):
+        module = Recorder()
+        compile_model(module, run)
+        assert module.kwargs == {"backend": "inductor", "mode": mode}
+    refused = {
+        "train.compile=false": (replace(graphs, train=replace(graphs.train, compile=False)),
+                                "train.compile_mode=reduce-overhead acts on compiled models only, and train.compile="
+                                "false does not compile on trainer.accelerator=gpu (set train.compile=true)"),
+        "aot_eager": (replace(graphs, train=replace(graphs.train, compile_backend="aot_eager")),
+                      "train.compile_mode=reduce-overhead replays inductor's kernels, and "
+                      "train.compile_backend=aot_eager makes none: drop one of them"),
+        "cpu": (replace(graphs, trainer=TrainerConfig()),
+                "train.compile_mode=reduce-overhead records CUDA graphs, and trainer.accelerator=cpu runs none: drop "
+                "it (or train on a GPU, trainer=gpu)"),
+    }
+    for run, line in refused.values():
+        with pytest.raises(ValueError) as err:
+            compile_mode(run)
+        assert user_message(err.value) == line
+    with pytest.raises(ValueError) as err:
+        TrainConfig(compile_mode="max-autotune").check()
+    assert user_message(err.value).endswith("valid options: default, reduce-overhead")
+
+
 def test_activation_memory_budget_keeps_fewer_activations_and_the_same_gradients(monkeypatch):
     """A compiled module under a small budget keeps fewer activation bytes for its backward than under the
     default, with the same output and gradients: the partitioner recomputes instead of saving."""
