@@ -70,6 +70,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -496,8 +497,11 @@ class StepClock(L.Callback):
 
 
 def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int,
-                profile: int = 0) -> Row:
-    total = warmup + steps + profile
+                profile: int = 0, tail: int = 0, callbacks: Sequence[L.Callback] = ()) -> Row:
+    """The trainer path's row (module docstring): warmup + steps (+ profile) steps, then `tail` more untimed
+    ones, in run directory tmp/step/v<index> (its summary.json stays there); `callbacks` run before the
+    clock's at each hook."""
+    total = warmup + steps + profile + tail
     run = [f"train.max_steps={total}", f"train.val_every={total}", "train.val_batches=1", "train.ckpt_every=0",
            f"out_dir={tmp}", "group=step", f"run_name=v{index}", "overwrite=true"]
     cfg = compose_config([*overrides, *run])
@@ -506,7 +510,7 @@ def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp
     torch._dynamo.utils.counters.clear()
     clock = StepClock(warmup, warmup + steps, device)
     probe = ProfileSteps(warmup + steps, profile, device)
-    summary = train(cfg, overrides=[*overrides, *run], callbacks=[clock, probe] if profile else [clock])
+    summary = train(cfg, overrides=[*overrides, *run], callbacks=[*callbacks, clock, *([probe] if profile else [])])
     if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / trainer: {compiled_graphs()}", flush=True)
     if profile:
