@@ -257,7 +257,8 @@ def seam_steps(variants, args, device) -> dict:
 
 def bench_seam(variants, args, device) -> dict:
     """Each `seam_steps` step timed (3 x --steps calls): its median and IQR in ms."""
-    timings = {v: time_ms(step, device, 3 * args.steps, args.warmup) for v, step in seam_steps(variants, args, device).items()}
+    steps = seam_steps(variants, args, device)
+    timings = {v: time_ms(step, device, 3 * args.steps, args.warmup) for v, step in steps.items()}
     return {v: {"ms": t.median, "iqr": t.iqr(2)} for v, t in timings.items()}
 
 

@@ -13,8 +13,8 @@ KDA (``kernels.kda.triton.kda_gated``), fla's ``chunk_kda`` (fla-core, when inst
 PyTorch chunkwise path and causal SDPA (flash attention) at the same shape. Forward and forward+backward
 are timed by benchmarks.timing (triton.testing.do_bench: each call between CUDA events, the L2 cache
 flushed before it): warm-up, then the median of about ``--reps`` calls with its interquartile range,
-cycling over several sets of fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors of our kernel against
-the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
+cycling over several sets of fresh random (never zero) inputs. ``--check`` then measures bf16 relative
+errors of our kernel against the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
 breakdown (after the timing, so that kernel compilation and autotuning are done once, by the first
 timed shape's warm-up) and the registers and spills of each of our compiled kernels. ``--saving`` picks
 what our forward keeps for the backward (SAVING; repeatable, one row each; the profile takes the first).

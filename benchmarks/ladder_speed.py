@@ -166,7 +166,8 @@ def measure_row(overrides: list[str], jobs: int, warmup: int, steps: int) -> dic
 
 
 def measure(args, base: list[str]) -> pd.DataFrame:
-    """Every row of the grid, one after another, each printed as it lands."""
+    """Every row of the grid, one after another, each printed as it lands and written to --csv then (a call
+    stopped at its time limit keeps the rows it finished)."""
     cfg = compose_config(base)
     cpu = device_of(cfg).type == "cpu"
     device = "CPU" if cpu else torch.cuda.get_device_name()
@@ -193,6 +194,8 @@ def measure(args, base: list[str]) -> pd.DataFrame:
                                 else row["status"])
                         print(f"  depth {depth}, {mode}, {jobs} job(s), {batch} x {seq}: {said}; the row took "
                               f"{time.monotonic() - start:.0f} s", flush=True)
+                        if args.csv:
+                            pd.DataFrame(rows).reindex(columns=COLUMNS).to_csv(args.csv, index=False)
     return pd.DataFrame(rows).reindex(columns=COLUMNS)
 
 
@@ -321,10 +324,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     else:
         if args.smoke:
             args.warmup, args.steps = min(args.warmup, 2), min(args.steps, 2)
-        rows = measure(args, [*(SMOKE if args.smoke else STUDY), *args.overrides])
         if args.csv:
             args.csv.parent.mkdir(parents=True, exist_ok=True)
-            rows.to_csv(args.csv, index=False)
+        rows = measure(args, [*(SMOKE if args.smoke else STUDY), *args.overrides])
+    if rows.empty:
+        print("No rows: nothing was measured (CUDA graphs need a GPU) or read.", flush=True)
+        return rows
     text = report(rows, args)
     print(text, flush=True)
     if args.out:

@@ -13,11 +13,12 @@ empty set, or none given, is the positional overrides alone). For each variant:
 - bare: the model and optimizer from the project's builders (K3Model from RunConfig.model_config, build_optimizer),
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
-  torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile() when train.compile says so
-  (k3lab.train.compile_model, with train.activation_memory_budget and train.compile_mode); the configured data's training batches
-  of the first steps, put on the device beforehand (and used again in turn when the timer asks for more steps). --warmup
-  steps, then about --steps steps timed one by one by benchmarks.timing (the median step and its interquartile range;
-  do_bench on CUDA); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
+  torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile()
+  when train.compile says so (k3lab.train.compile_model, with train.activation_memory_budget and
+  train.compile_mode); the configured data's training batches of the first steps, put on the device beforehand
+  (and used again in turn when the timer asks for more steps). --warmup steps, then about --steps steps timed
+  one by one by benchmarks.timing (the median step and its interquartile range; do_bench on CUDA); peak
+  memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
   torch.profiler, printed as the ops with the most device time, the matrix products by input shapes with
   the TFLOP/s each reached (`matmul_shapes`) and, on a GPU, where the device waited
   (`idle_gaps`: its idle gaps, charged to the host ops running when they opened) and where its copies

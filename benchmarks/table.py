@@ -13,5 +13,6 @@ import pandas as pd
 def markdown(rows: pd.DataFrame | Sequence[Mapping[str, object]], columns: Sequence[str] | None = None) -> str:
     """A Markdown (pipe) table of `rows`: a DataFrame, or one mapping per row from column name to cell, in
     the first row's order (`columns`: the table's columns when there are no rows)."""
-    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows)) if rows else pd.DataFrame(columns=columns)
-    return frame.astype(str).to_markdown(index=False, disable_numparse=True)
+    if not isinstance(rows, pd.DataFrame):
+        rows = pd.DataFrame(list(rows)) if rows else pd.DataFrame(columns=columns)
+    return rows.astype(str).to_markdown(index=False, disable_numparse=True)
