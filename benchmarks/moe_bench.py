@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.table import markdown
-from benchmarks.timing import Timing, time_ms
+from benchmarks.timing import Timing, peak_after, time_ms
 from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.moe import GroupedExperts, MoE
 
@@ -291,11 +291,9 @@ def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmu
     rows = []
     for form, fn in forms.items():
         error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fwd_bwd(fn), reference))
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() if cuda else 0
         timing = time_ms(lambda: fwd_bwd(fn), device, iters, warmup)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+        base = torch.cuda.memory_allocated() if cuda else 0
+        peak = (peak_after(lambda: fwd_bwd(fn)) - base) / 2**30 if cuda else float("nan")
         rows.append(dict(form=form, ms=timing.median, iqr=timing.iqr(), peak_gib=peak, max_rel_error=error))
     anchor = next(r["ms"] for r in rows if r["form"] == "grouped, checkpointed")
     for r in rows:

@@ -18,7 +18,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   train.compile_mode); the configured data's training batches of the first steps, put on the device beforehand
   (and used again in turn when the timer asks for more steps). --warmup steps, then about --steps steps timed
   one by one by benchmarks.timing (the median step and its interquartile range; do_bench on CUDA); peak
-  memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
+  memory: torch.cuda.max_memory_allocated over the warm-up steps and one more step after the timed ones (not
+  over the timed steps, during which do_bench holds its L2-flush buffer: benchmarks.timing). With --profile N, N more steps under
   torch.profiler, printed as the ops with the most device time, the matrix products by input shapes with
   the TFLOP/s each reached (`matmul_shapes`) and, on a GPU, where the device waited
   (`idle_gaps`: its idle gaps, charged to the host ops running when they opened) and where its copies
@@ -82,7 +83,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from benchmarks.table import markdown
-from benchmarks.timing import Timing, time_ms
+from benchmarks.timing import Timing, peak_after, time_ms
 from k3lab.config import ModelConfig, OptimConfig, compile_mode, run_config
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
@@ -240,11 +241,10 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     def step():
         training_step(model, opt, sched, clip, autocast, *next(it))
 
-    timing = time_ms(step, device, steps, warmup)
+    timing, peak = time_with_peak(step, device, warmup, steps)
     if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / bare: {compiled_graphs()}", flush=True)
-    row = timed_row(variant, "bare", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak_mb(device),
-                    state_mb(model, opt))
+    row = timed_row(variant, "bare", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak, state_mb(model, opt))
     if profile:
         print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
               flush=True)
@@ -569,9 +569,8 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    timing = time_ms(step, device, steps, warmup)
-    return timed_row(variant, "fla", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak_mb(device),
-                     state_mb(model, opt))
+    timing, peak = time_with_peak(step, device, warmup, steps)
+    return timed_row(variant, "fla", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak, state_mb(model, opt))
 
 
 def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -580,6 +579,18 @@ def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
                *(v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) / 2**20
+
+
+def time_with_peak(step, device: torch.device, warmup: int, steps: int) -> tuple[Timing, float]:
+    """benchmarks.timing's timing of `steps` calls of step() after `warmup` ones, and the peak memory in MB of
+    the warm-up and of one more call after the timed ones (on CUDA; on the CPU the process's peak)."""
+    for _ in range(warmup):
+        step()
+    warm = peak_mb(device)
+    timing = time_ms(step, device, steps, warmup=0)
+    if device.type != "cuda":
+        return timing, peak_mb(device)
+    return timing, max(warm, peak_after(step) / 2**20)
 
 
 def peak_mb(device: torch.device) -> float:

@@ -23,9 +23,14 @@ median of the per-call times, with the interquartile range (first to third quart
 estimate and warm-up calls. `grad_to_none`: tensors whose gradients are reset before each timed call,
 outside the timed span (a forward and backward that would otherwise accumulate into them).
 
+While do_bench times it holds a 256 MB buffer (what it writes to flush the L2 cache), so a peak of device
+memory taken over a timing would count it: `peak_after` measures one more call alone, for the benchmarks
+that report a peak beside a time.
+
 Timing whole training steps through Lightning's trainer is the one other method (benchmarks.step.StepClock:
-the wall time between two device synchronisations over real training steps), because a callable cannot
-stand for a trainer's loop; its docstring says so.
+the wall time between two device synchronisations over real training steps, used by benchmarks.step's
+trainer path and benchmarks.ladder_speed), because a callable cannot stand for a trainer's loop; its
+docstring says so. benchmarks.kda_train_check times nothing itself: it reads the speed its runs logged.
 """
 from __future__ import annotations
 
@@ -85,6 +90,16 @@ def time_ms(fn: Callable[[], object], device: torch.device | str, calls: int, wa
 
     seconds = timeit.Timer(fn, setup=reset).repeat(repeat=calls, number=1)
     return Timing.of([1e3 * s for s in seconds])
+
+
+def peak_after(fn: Callable[[], object]) -> int:
+    """CUDA bytes allocated at the peak of one call of fn(), all of this process's tensors counted (the
+    allocator's peak statistic, reset at the call's start)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def _do_bench(fn: Callable[[], object], calls: int, grad_to_none: list[torch.Tensor]) -> list[float]:
