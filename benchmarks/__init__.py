@@ -1,8 +1,10 @@
 """k3lab benchmarks. Each is a module run from the repo root as ``python -m benchmarks.<name> ...``
 (``--help`` lists its options); each prints its table to the terminal. ``conv_bench``, ``kda_bench``,
-``kda_train_check``, ``kernel_resources``, ``muon_bench``, ``qb_lag`` and ``step`` also write it to
-``--out PATH``; the two that train (``kda_train_check``, ``qb_lag``) leave run directories. Measured tables,
-with command, commit, date and machine: ``benchmarks/RESULTS.md``.
+``kda_train_check``, ``kernel_resources``, ``ladder_speed``, ``muon_bench``, ``qb_lag`` and ``step`` also write
+it to ``--out PATH``; the two that train (``kda_train_check``, ``qb_lag``) leave run directories. Measured tables,
+with command, commit, date and machine: ``benchmarks/RESULTS.md``. Every benchmark times a callable through
+``benchmarks.timing`` (the median call and its interquartile range; ``triton.testing.do_bench`` on CUDA) and
+prints its Markdown tables through pandas (``benchmarks.table``).
 
 - ``kda_bench``: KDA kernels, forward and forward+backward time of ours vs fla's ``chunk_kda``, the
   plain PyTorch path and causal SDPA; ``--check`` bf16 accuracy, ``--profile`` per-kernel GPU time.
@@ -24,4 +26,7 @@ with command, commit, date and machine: ``benchmarks/RESULTS.md``.
 - ``qb_lag``: trains with a probe that splits Quantile Balancing's MaxVio into its causes.
 - ``step``: the training step of any config, in a bare loop and through run.py's trainer, tokens/s, ms/step,
   MFU and peak memory, one row per ``--variants`` override set; ``--fla`` adds fla's ``KDAForCausalLM``.
+- ``ladder_speed``: the ladder's small models through the trainer, each alone and several packed on one
+  device, eager, compiled and with CUDA graphs: tokens/s, MFU, the GPU-minutes of a study slice, and the
+  setting a measured rule chooses per depth.
 """

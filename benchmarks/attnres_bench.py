@@ -9,11 +9,11 @@ that is k3lab's K3Model (KDA/MLA 3:1, dense GLU FFN); `--model standin` (or when
 imported) uses a plain stack of causal-SDPA attention and GLU MLP sublayers instead.
 
 Measured per variant:
-  ms/step      median wall time of forward + cross-entropy + backward + AdamW step
+  ms/step      forward + cross-entropy + backward + AdamW step: the median step and its interquartile
+               range (benchmarks.timing: triton.testing.do_bench on CUDA), variants one after another
   saved MB     activation memory: bytes of the distinct tensors autograd saves for backward in one
                forward (parameters excluded), counted with saved_tensors_hooks; works on any device
   peak MB      CUDA only: peak allocated during forward+backward minus what was allocated before it
-  cpu ms/step  CPU only: process CPU time per step (steadier than wall time on a shared machine)
 and the overhead of each against `standard`. On CUDA the AttnRes mix runs as the fused Triton kernels
 (kernels/attnres.py) wherever they apply. `--impl-variants` adds five alternative AttnRes mixes for
 comparison: `torch` (the hand-written torch autograd.Function, the CPU path, also on CUDA), `autograd`
@@ -25,7 +25,8 @@ Any variant takes an implementation suffix, e.g. `--variants standard,block_attn
 A second table times the residual alone (the seam driven by cheap elementwise sublayers), where the cost
 of the mix is not hidden by the layers. Instead of the tables, `--profile` lists the top kernels of
 block_attnres' residual alone (torch.profiler; registers and occupancy on CUDA) and `--tune` times the
-fused mix kernels alone over launch configs (rows per program, num_warps, backward programs per SM).
+fused mix kernels alone over launch configs (rows per program, num_warps, backward programs per SM). Every
+time is benchmarks.timing's median.
 """
 from __future__ import annotations
 
@@ -34,9 +35,7 @@ import copy
 import functools
 import json
 import os
-import statistics
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -47,6 +46,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from benchmarks.kda_bench import saved_bytes
+from benchmarks.table import markdown
+from benchmarks.timing import time_ms
 from k3lab.config import GLUConfig, ModelConfig, MoEConfig, ResidualConfig
 from k3lab.model import attnres
 from k3lab.model.ffn import GLU
@@ -202,25 +203,12 @@ def sync(device):
 
 
 def bench(models: dict, tokens, args, device) -> dict:
-    """Time all variants interleaved (round r: one step of each), so load drift on a shared machine
-    hits every variant alike; then measure memory one variant at a time."""
+    """Time each variant's training step, then measure its memory; the loss is that of one more step."""
     steps = {v: make_step(m, tokens, args, device) for v, m in models.items()}
-    times = {v: [] for v in models}
-    cpu_times = {v: [] for v in models}
-    losses = {}
-    for r in range(args.warmup + args.steps):
-        for v, (step, _) in steps.items():
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            losses[v] = step()
-            sync(device)
-            if r >= args.warmup:
-                times[v].append(time.perf_counter() - t0)
-                cpu_times[v].append(time.process_time() - c0)
     rows = {}
-    for v, (_, forward) in steps.items():
-        row = {"ms": 1e3 * statistics.median(times[v]), "loss": losses[v].item(),
-               "cpu_ms": 1e3 * statistics.median(cpu_times[v])}
+    for v, (step, forward) in steps.items():
+        timing = time_ms(step, device, args.steps, args.warmup)
+        row = {"ms": timing.median, "iqr": timing.iqr(1), "loss": step().item()}
         row["saved_mb"] = saved_bytes(forward, exclude=list(models[v].parameters()))[0] / 2**20
         for p in models[v].parameters():
             p.grad = None
@@ -268,21 +256,10 @@ def seam_steps(variants, args, device) -> dict:
 
 
 def bench_seam(variants, args, device) -> dict:
-    """Median wall and CPU ms of each `seam_steps` step, variants interleaved."""
+    """Each `seam_steps` step timed (3 x --steps calls): its median and IQR in ms."""
     steps = seam_steps(variants, args, device)
-    times = {v: [] for v in variants}
-    cpu_times = {v: [] for v in variants}
-    for r in range(args.warmup + 3 * args.steps):
-        for v, step in steps.items():
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            step()
-            sync(device)
-            if r >= args.warmup:
-                times[v].append(time.perf_counter() - t0)
-                cpu_times[v].append(time.process_time() - c0)
-    return {v: {"ms": 1e3 * statistics.median(times[v]), "cpu_ms": 1e3 * statistics.median(cpu_times[v])}
-            for v in variants}
+    timings = {v: time_ms(step, device, 3 * args.steps, args.warmup) for v, step in steps.items()}
+    return {v: {"ms": t.median, "iqr": t.iqr(2)} for v, t in timings.items()}
 
 
 def kernel_resources(prof) -> dict[str, str]:
@@ -308,26 +285,16 @@ def kernel_resources(prof) -> dict[str, str]:
 
 def profile_seam(args, device, variant: str = "block_attnres", n_steps: int = 3, top: int = 15) -> None:
     """torch.profiler over `n_steps` steps of the residual alone (after args.warmup): the `top` CUDA kernels
-    (CPU ops on CPU) by self time, per step, and busy time against wall time per step."""
+    (CPU ops on CPU) by self time, per step, and busy time against the unprofiled step's time
+    (benchmarks.timing, n_steps calls)."""
     step = seam_steps([variant], args, device)[variant]
-    for _ in range(args.warmup):
-        step()
-    wall = []
-    for _ in range(n_steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        wall.append(1e3 * (time.perf_counter() - t0))
+    wall = time_ms(step, device, n_steps, args.warmup)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
-        sync(device)
-        t0 = time.perf_counter()
         for _ in range(n_steps):
             step()
         sync(device)
-        profiled_ms = 1e3 * (time.perf_counter() - t0) / n_steps
     if cuda:
         events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
         self_us = {e.key: e.self_device_time_total for e in events}
@@ -345,25 +312,9 @@ def profile_seam(args, device, variant: str = "block_attnres", n_steps: int = 3,
         us = self_us[e.key]
         print(f"{e.key[:60]:60} | {e.count / n_steps:10.1f} | {us / 1e3 / n_steps:7.3f} | {us / e.count:8.1f} | "
               f"{100 * us / total_us:4.1f}%" + (f" | {resources.get(e.key, '')}" if cuda else ""))
-    print(f"{unit} {'busy' if cuda else 'self time'} {total_us / 1e3 / n_steps:.2f} ms/step; wall "
-          f"{statistics.median(wall):.2f} ms/step unprofiled, {profiled_ms:.2f} profiled"
-          + (" (wall well above busy: bound by launches / CPU)" if cuda else ""))
-
-
-def time_ms(fn, device, reps: int) -> float:
-    """Median ms of fn(): on CUDA `triton.testing.do_bench` (CUDA events, L2 flushed before each call, at
-    least ~20 calls after warm-up); elsewhere the wall clock over `reps` calls after one warm-up call."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=5, rep=50, return_mode="median")
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    print(f"{unit} {'busy' if cuda else 'self time'} {total_us / 1e3 / n_steps:.2f} ms/step; the unprofiled step "
+          f"{wall.median:.2f} ms (IQR {wall.iqr(2)})"
+          + (" (a step well above busy: bound by launches / CPU)" if cuda else ""))
 
 
 TUNE_ROWS = (1, 2, 4)
@@ -419,9 +370,9 @@ def tune_mix(args, device) -> None:
         def backward(values_cfg=default, scores_cfg=default_s, pps=fused.PROGRAMS_PER_SM):
             return time_ms(lambda: fused.mix_backward(values, scales, query, logits, g_h, launch=values_cfg,
                                                       scores_launch=scores_cfg, programs=pps * sms),
-                           device, args.steps)
+                           device, args.steps).median
 
-        fwd = {cfg: time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps)
+        fwd = {cfg: time_ms(lambda: fused.mix_forward(values, scales, query, launch=cfg), device, args.steps).median
                for cfg in configs}
         val = {cfg: backward(values_cfg=cfg) for cfg in configs}
         sco = {(cfg, pps): backward(scores_cfg=cfg, pps=pps) for cfg in configs for pps in pps_list}
@@ -447,24 +398,19 @@ def tune_mix(args, device) -> None:
 
 
 def print_table(rows: dict, cols: list[tuple[str, str, bool]]) -> None:
-    """cols: (header, key, with overhead vs standard)."""
+    """One row per variant; cols: (header, key, with overhead vs standard), a time's IQR after it."""
     ref = rows.get("standard")
-    header = ["variant"]
-    for title, _, pct in cols:
-        header += [title] + (["vs std"] if pct and ref else [])
-    lines = [header]
+    cells = []
     for v, r in rows.items():
-        line = [v]
-        for _, key, pct in cols:
-            line.append(f"{r[key]:.1f}" if key != "loss" else f"{r[key]:.4f}")
+        cell = {"variant": v}
+        for title, key, pct in cols:
+            cell[title] = f"{r[key]:.1f}" if key != "loss" else f"{r[key]:.4f}"
+            if key == "ms":
+                cell[f"{title} IQR"] = r["iqr"]
             if pct and ref:
-                line.append(f"{100 * (r[key] / ref[key] - 1):+.1f}%")
-        lines.append(line)
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
-    for i, row in enumerate(lines):
-        print(" | ".join(str(c).rjust(w) for c, w in zip(row, widths)))
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
+                cell[f"{title} vs std"] = f"{100 * (r[key] / ref[key] - 1):+.1f}%"
+        cells.append(cell)
+    print(markdown(cells))
 
 
 def main(argv=None):
@@ -548,15 +494,13 @@ def main(argv=None):
         models[v] = variant_model(kind, base, v, state)
     rows = bench(models, tokens, args, device)
 
-    cols = [("ms/step", "ms", True), ("cpu ms/step", "cpu_ms", True), ("saved MB", "saved_mb", True)]
-    if cuda:
-        cols = [("ms/step", "ms", True), ("saved MB", "saved_mb", True), ("peak MB", "peak_mb", True)]
-    print("\nwhole model: forward + loss + backward + AdamW step (median over interleaved steps)")
+    cols = [("ms/step", "ms", True), ("saved MB", "saved_mb", True)] + ([("peak MB", "peak_mb", True)] if cuda else [])
+    print("\nwhole model: forward + loss + backward + AdamW step (the median step)")
     print_table(rows, cols + [("loss", "loss", False)])
     if not args.no_seam:
         seam = bench_seam(variants, args, device)
         print("\nresidual alone (cheap elementwise sublayers): forward + backward")
-        print_table(seam, [("ms", "ms", True)] + ([] if cuda else [("cpu ms", "cpu_ms", True)]))
+        print_table(seam, [("ms", "ms", True)])
         for v in rows:
             rows[v]["seam_ms"] = seam[v]["ms"]
     return rows

@@ -13,9 +13,10 @@ Rows per shape (x [B, T, C], w [C, W] fp32 as the layer's parameter; bf16 runs u
   triton  kernels.short_conv.short_conv (the k3lab::short_conv_fwd / short_conv_bwd custom ops); CUDA only
   fla     fla.modules.convolution.causal_conv1d(activation="silu") from fla-core, when it imports; CUDA only
 fwd ms: the forward alone (no autograd); fwd+bwd ms: the forward with x and w requiring grad, then both
-gradients from a fixed random dy. Median over timed calls after warm-up: CUDA events on CUDA, the wall clock
-on the CPU. "/ torch": the row's time over the torch row's, measured in the same call; "y err": relative
-error (L2) of the row's output against the torch row's.
+gradients from a fixed random dy. Each the median of about --reps timed calls after --warmup, with its
+interquartile range (benchmarks.timing: triton.testing.do_bench on CUDA). "/ torch": the row's time over the
+torch row's, measured in the same call; "y err": relative error (L2) of the row's output against the torch
+row's.
 
 --sweep-bwd (first shape only) times the whole Triton backward (``conv_bwd``) with ``_conv_bwd_g`` launched
 at every tile (BT x BC), warp count and programs per SM of SWEEP_BWD, and prints the ten fastest against
@@ -24,13 +25,13 @@ the default launch timed in the same call, each checked against the default's dx
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.table import markdown
+from benchmarks.timing import Timing, time_ms
 from kernels.short_conv import BWD_PROGRAMS_PER_SM, LAUNCH, conv_bwd, short_conv, short_conv_reference
 
 GPU_SHAPES = "8,4096,1024;1,16384,2048"
@@ -53,29 +54,9 @@ def fla_conv() -> Callable | None:
     return lambda x, w: causal_conv1d(x, weight=w, activation="silu")[0]
 
 
-def time_ms(fn: Callable, device: torch.device, reps: int, warmup: int) -> float:
-    """Median milliseconds of fn(): each call between two CUDA events on CUDA, the wall clock elsewhere."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def measure(fn: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, autocast: bool, reps: int,
-            warmup: int) -> tuple[float, float, torch.Tensor]:
-    """(fwd ms, fwd+bwd ms, y) of fn(x, w) -> y [B, T, C]."""
+            warmup: int) -> tuple[Timing, Timing, torch.Tensor]:
+    """(forward, forward+backward, y) of fn(x, w) -> y [B, T, C]."""
     device = x.device
     xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
 
@@ -102,20 +83,23 @@ def sweep_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, reps: int, war
     B, C = x.shape[0], x.shape[2]
     ref_dx, ref_dw = conv_bwd(x, w, dy)
     base = time_ms(lambda: conv_bwd(x, w, dy), x.device, reps, warmup)
-    rows = []
+    default = LAUNCH["bwd_g"]
+    rows = [(base.median, {"BT x BC": f"{default['BT']} x {default['BC']} (default)", "warps": default["num_warps"],
+                           "programs/SM": BWD_PROGRAMS_PER_SM, "bwd ms": f"{base.median:.4f}", "IQR ms": base.iqr(4),
+                           "/ default": "1.00", "same dx, dw": "yes"})]
     for bt, bc, nw, per_sm in itertools.product(*SWEEP_BWD.values()):
         block = dict(BT=bt, BC=bc, num_warps=nw)
         programs = triton.cdiv(per_sm * sm_count(x.device), triton.cdiv(C, bc) * B)
         dx, dw = conv_bwd(x, w, dy, time_programs=programs, block_g=block)
         same = torch.equal(dx, ref_dx) and torch.allclose(dw, ref_dw, rtol=1e-4, atol=1e-4 * ref_dw.abs().max().item())
-        ms = time_ms(lambda: conv_bwd(x, w, dy, time_programs=programs, block_g=block), x.device, reps, warmup)
-        rows.append((ms, f"| {bt} x {bc} | {nw} | {per_sm} | {ms:.4f} | {ms / base:.2f} | {'yes' if same else 'NO'} |"))
-    default = LAUNCH["bwd_g"]
+        t = time_ms(lambda: conv_bwd(x, w, dy, time_programs=programs, block_g=block), x.device, reps, warmup)
+        rows.append((t.median, {"BT x BC": f"{bt} x {bc}", "warps": nw, "programs/SM": per_sm, "bwd ms": f"{t.median:.4f}",
+                                "IQR ms": t.iqr(4), "/ default": f"{t.median / base.median:.2f}",
+                                "same dx, dw": "yes" if same else "NO"}))
+    fastest = [cells for _, cells in sorted(rows[1:], key=lambda r: r[0])[:10]]
     return [f"_conv_bwd_g launch sweep, B x T x C = {'x'.join(map(str, x.shape))}: the whole backward's ms "
-            f"(median of {reps}), against the default launch in the same call",
-            "", "| BT x BC | warps | programs/SM | bwd ms | / default | same dx, dw |", "|---|---:|---:|---:|---:|---|",
-            f"| {default['BT']} x {default['BC']} (default) | {default['num_warps']} | {BWD_PROGRAMS_PER_SM} | "
-            f"{base:.4f} | 1.00 | yes |"] + [line for _, line in sorted(rows)[:10]]
+            f"(median of {reps}), against the default launch in the same call", "",
+            *markdown([rows[0][1], *fastest]).splitlines()]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,9 +149,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, fn in impls.items():
             run = (lambda x, w: fn(x, w).contiguous()) if name == "torch" else fn
             fwd, fwd_bwd, y = measure(run, x, w, dy, bf16, reps, warmup)
-            base = (fwd, fwd_bwd, y) if base is None else base
-            rows.append(dict(shape=f"{B}x{T}x{C}", impl=name, fwd_ms=fwd, fwd_ratio=fwd / base[0], fwd_bwd_ms=fwd_bwd,
-                             fwd_bwd_ratio=fwd_bwd / base[1], y_err=rel(y, base[2])))
+            base = (fwd.median, fwd_bwd.median, y) if base is None else base
+            rows.append(dict(shape=f"{B}x{T}x{C}", impl=name, fwd_ms=fwd.median, fwd_iqr=fwd.iqr(),
+                             fwd_ratio=fwd.median / base[0], fwd_bwd_ms=fwd_bwd.median, fwd_bwd_iqr=fwd_bwd.iqr(),
+                             fwd_bwd_ratio=fwd_bwd.median / base[1], y_err=rel(y, base[2])))
 
     sweep = []
     if args.sweep_bwd:
@@ -179,12 +164,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     lines = [f"short conv W={args.width}, {'bf16 (autocast, fp32 w)' if bf16 else 'fp32'}, {name}, "
-             f"torch {torch.__version__}, median of {reps} calls",
-             "",
-             "| B x T x C | impl | fwd ms | / torch | fwd+bwd ms | / torch | y err |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['shape']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_ratio']:.2f} | {r['fwd_bwd_ms']:.3f} | "
-              f"{r['fwd_bwd_ratio']:.2f} | {r['y_err']:.1e} |" for r in rows]
+             f"torch {torch.__version__}, median of {reps} calls", "",
+             markdown([{"B x T x C": r["shape"], "impl": r["impl"], "fwd ms": f"{r['fwd_ms']:.3f}", "fwd IQR": r["fwd_iqr"],
+                        "fwd / torch": f"{r['fwd_ratio']:.2f}", "fwd+bwd ms": f"{r['fwd_bwd_ms']:.3f}",
+                        "fwd+bwd IQR": r["fwd_bwd_iqr"], "fwd+bwd / torch": f"{r['fwd_bwd_ratio']:.2f}",
+                        "y err": f"{r['y_err']:.1e}"} for r in rows])]
     if notes:
         lines += [""] + notes
     lines += sweep

@@ -11,9 +11,10 @@ KDA (``kernels.kda.triton.kda_gated``), fla's ``chunk_kda`` (fla-core, when inst
 ``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel`` and, for sigmoid,
 ``safe_gate`` with ``lower_bound=-5``), the plain
 PyTorch chunkwise path and causal SDPA (flash attention) at the same shape. Forward and forward+backward
-are timed with CUDA events: warm-up, then the median of ``--reps`` runs, cycling over several sets of
-fresh random (never zero) inputs. ``--check`` then measures bf16 relative errors of our kernel against
-the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
+are timed by benchmarks.timing (triton.testing.do_bench: each call between CUDA events, the L2 cache
+flushed before it): warm-up, then the median of about ``--reps`` calls with its interquartile range,
+cycling over several sets of fresh random (never zero) inputs. ``--check`` then measures bf16 relative
+errors of our kernel against the float64 recurrent reference (outputs and every gradient), and ``--profile`` prints a per-kernel
 breakdown (after the timing, so that kernel compilation and autotuning are done once, by the first
 timed shape's warm-up) and the registers and spills of each of our compiled kernels. ``--saving`` picks
 what our forward keeps for the backward (SAVING; repeatable, one row each; the profile takes the first).
@@ -26,14 +27,17 @@ import argparse
 import datetime
 import functools
 import importlib.util
+import itertools
 import math
 import platform
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.table import markdown
+from benchmarks.timing import Timing, time_ms
 
 SHAPES = [(4, 4096, 16, 128, 128), (1, 16384, 16, 128, 128)]
 
@@ -104,26 +108,19 @@ def run_sdpa(q, k, v, *_):
                                           is_causal=True)
 
 
-def time_ms(fn, input_sets, backward, reps, warmup=3):
-    """Median milliseconds of fn (and a backward with a fixed random cotangent) over reps runs."""
-    outs = [fn(*xs) for xs in input_sets[:1]]
-    do = torch.randn_like(outs[0])
-    times = []
-    for i in range(warmup + reps):
-        xs = input_sets[i % len(input_sets)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        o = fn(*xs)
+def time_sets(fn, input_sets, backward, reps, warmup=3) -> Timing:
+    """fn on the input sets in turn (and a backward with a fixed random cotangent), timed on CUDA by
+    benchmarks.timing; the inputs' gradients are reset before each timed call."""
+    do = torch.randn_like(fn(*input_sets[0]))
+    sets = itertools.cycle(input_sets)
+
+    def call():
+        o = fn(*next(sets))
         if backward:
             o.backward(do)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-        for x in xs:
-            if isinstance(x, torch.Tensor):
-                x.grad = None
-    return statistics.median(times)
+
+    leaves = [x for xs in input_sets for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    return time_ms(call, "cuda", reps, warmup, grad_to_none=leaves)
 
 
 def saved_bytes(run, exclude=()) -> tuple[int, object]:
@@ -214,9 +211,8 @@ def bench_kda(args):
         shown = len(lines)
 
     flush()
-    lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms, CUDA events)", "",
-              "| shape B,T,H,K,V | gate | impl | fwd ms | fwd+bwd ms | fwd+bwd Mtok/s | saved MB | ours/fla fwd | ours/fla fwd+bwd |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["## Time (bf16, gate + q/k L2 norm + beta sigmoid in the call; median ms and IQR, do_bench)", ""]
+    cells = []  # the time table's rows (each measurement prints a line as it lands)
     impls = [(f"ours (triton{'' if mode == 'all' else ', keeps ' + mode})",
               functools.partial(run_ours, saving=mode)) for mode in args.saving]
     impls += [("fla chunk_kda", run_fla)] if have_fla and args.fla else []
@@ -235,30 +231,33 @@ def bench_kda(args):
                 def call(*xs, fn=fn):
                     return fn(*xs, decay)
                 try:
-                    f = time_ms(call, sets, False, args.reps)
-                    fb = time_ms(call, sets, True, args.reps)
+                    f = time_sets(call, sets, False, args.reps)
+                    fb = time_sets(call, sets, True, args.reps)
                     mb = saved_bytes(lambda: call(*sets[0]), exclude=sets[0])[0] / 2**20
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
-                    f = fb = mb = float("nan")
+                    f = fb = Timing(*[float("nan")] * 3, 0)
+                    mb = float("nan")
                 res[name] = (f, fb, mb)
-                print(f"  measured {name}, {case}, {shape}: fwd {f:.2f} ms, fwd+bwd {fb:.2f} ms, saved {mb:.0f} MB",
-                      flush=True)
+                print(f"  measured {name}, {case}, {shape}: fwd {f.median:.2f} ms, fwd+bwd {fb.median:.2f} ms, "
+                      f"saved {mb:.0f} MB", flush=True)
             ref = res.get("fla chunk_kda")
             for name, (f, fb, mb) in res.items():
-                ratio = (f"{f / ref[0]:.2f}", f"{fb / ref[1]:.2f}") if (ref and name.startswith("ours")) else ("", "")
-                lines.append(f"| {B},{T},{H},{K},{V} | {case if name != 'causal SDPA' else '-'} | {name} | "
-                             f"{f:.2f} | {fb:.2f} | {B * T / fb / 1e3:.1f} | {mb:.0f} | {ratio[0]} | {ratio[1]} |")
-            flush()
+                with_ref = ref and name.startswith("ours")
+                cells.append({"shape B,T,H,K,V": f"{B},{T},{H},{K},{V}", "gate": case if name != "causal SDPA" else "-",
+                              "impl": name, "fwd ms": f"{f.median:.2f}", "fwd IQR": f.iqr(2),
+                              "fwd+bwd ms": f"{fb.median:.2f}", "fwd+bwd IQR": fb.iqr(2),
+                              "fwd+bwd Mtok/s": f"{B * T / fb.median / 1e3:.1f}", "saved MB": f"{mb:.0f}",
+                              "ours/fla fwd": f"{f.median / ref[0].median:.2f}" if with_ref else "",
+                              "ours/fla fwd+bwd": f"{fb.median / ref[1].median:.2f}" if with_ref else ""})
             torch.cuda.empty_cache()
-    lines.append("")
+    lines += [markdown(cells), ""]
+    flush()
     if args.check:
         rows = check_accuracy(device, impls=("ours", "fla") if have_fla and args.fla else ("ours",))
         lines += ["## Accuracy: bf16 kernel vs float64 recurrent reference (B=1, T=1000, H=16, K=V=128)", "",
-                  "| impl | gate | tensor | relative error | limit | ok |", "|---|---|---|---|---|---|"]
-        lines += [f"| {i} | {d} | {n} | {e:.2e} | {lim:.0e} | {'yes' if ok else 'NO'} |"
-                  for i, d, n, e, lim, ok in rows]
-        lines.append("")
+                  markdown([{"impl": i, "gate": d, "tensor": n, "relative error": f"{e:.2e}", "limit": f"{lim:.0e}",
+                             "ok": "yes" if ok else "NO"} for i, d, n, e, lim, ok in rows]), ""]
         flush()
     text = "\n".join(lines) + "\n"
     if args.out:
@@ -333,8 +332,7 @@ def print_registers():
 
     from kernels.kda import triton_bwd, triton_fwd
 
-    print("## registers of our compiled kernels\n\n| kernel | registers | spills | warps | stages | shared bytes |\n"
-          "|---|---|---|---|---|---|")
+    rows = []
     for module in (triton_fwd, triton_bwd):
         for name, fn in sorted(vars(module).items()):
             if not isinstance(fn, triton.runtime.jit.JITFunction):
@@ -343,9 +341,10 @@ def print_registers():
                 for compiled in cache[0].values():
                     compiled._init_handles()
                     meta = compiled.metadata
-                    print(f"| {name} | {compiled.n_regs} | {compiled.n_spills} | {meta.num_warps} | {meta.num_stages} "
-                          f"| {meta.shared} |")
-    print(flush=True)
+                    rows.append({"kernel": name, "registers": compiled.n_regs, "spills": compiled.n_spills,
+                                 "warps": meta.num_warps, "stages": meta.num_stages, "shared bytes": meta.shared})
+    columns = ["kernel", "registers", "spills", "warps", "stages", "shared bytes"]
+    print(f"## registers of our compiled kernels\n\n{markdown(rows, columns)}\n", flush=True)
 
 
 def kernel_ms(prof) -> float:

@@ -21,6 +21,7 @@ import shlex
 import torch
 
 from benchmarks.step import compose_config, device_of, precision_of, training_batches, training_step
+from benchmarks.table import markdown
 from k3lab.config import OptimConfig, run_config
 from k3lab.model import K3Model
 from k3lab.model.kda import KDA
@@ -81,9 +82,7 @@ def main(argv=None) -> str:
         B, T, _ = z.shape
         decays.append(sub_block_decay(layer.log_decay(z.view(B, T, layer.n_heads, layer.head_dim))))
 
-    lines = [f"KDA sub-block decay, {shlex.join(args.overrides)}", "",
-             "| step | " + " | ".join(["chunks > 75", "sub-blocks > 75", "pairs > 75", "sub-blocks > 160",
-                                         "D p50", "D p90", "D p99"]) + " |", "|---" * 8 + "|"]
+    rows = []
     for step, (x, y) in enumerate(batches):
         if step % args.every == 0 or step == args.steps:
             handles = [m.register_forward_hook(gate_hook) for m in layers]
@@ -93,13 +92,12 @@ def main(argv=None) -> str:
                 h.remove()
             s = decay_stats(decays)
             decays.clear()
-            lines.append(f"| {step} | " + " | ".join(f"{v:.1%}" if "D " not in k else f"{v:.1f}" for k, v in s.items())
-                         + " |")
-            print(lines[-1], flush=True)
+            rows.append({"step": step, **{k: f"{v:.1%}" if "D " not in k else f"{v:.1f}" for k, v in s.items()}})
+            print(f"  step {step}: " + ", ".join(f"{k} {v}" for k, v in rows[-1].items() if k != "step"), flush=True)
         if step == args.steps:
             break
         training_step(model, opt, sched, clip, autocast, x, y)
-    text = "\n".join(lines) + "\n"
+    text = f"KDA sub-block decay, {shlex.join(args.overrides)}\n\n{markdown(rows)}\n"
     print(text, flush=True)
     return text
 

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.step import split_variants
+from benchmarks.table import markdown
 from k3lab.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,28 +87,27 @@ def main(argv=None) -> None:
                for i, (v, label) in enumerate(zip(variants, labels))}
     ref = labels[0]
     ref_loss, _, ref_speed, _, _ = results[ref]
-    lines = [f"Loss curve and step time by variant: model={args.model}, trainer={args.trainer}, "
-             f"{args.steps} steps of {args.batch}x{args.seq} tokens per process, overrides "
-             f"{args.overrides or 'none'}.", "",
-             f"| run | steps | max abs loss diff vs {ref} | mean abs diff | final train loss | tokens/step "
-             f"| median step ms (steps > {args.skip}) | median tokens/s | tokens/s vs {ref} | peak memory MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for label in labels:
         loss, ms, speed, tokens_per_step, peak_mb = results[label]
         diffs = [abs(loss[s] - ref_loss[s]) for s in sorted(set(loss) & set(ref_loss))]
-        lines.append(f"| {label} | {len(diffs)} | {max(diffs):.4f} | {statistics.mean(diffs):.4f} | "
-                     f"{loss[max(loss)]:.4f} | {tokens_per_step:,} | {ms:.1f} | {speed:,.0f} | "
-                     f"{speed / ref_speed:.2f}x | {peak_mb:,.0f} |")
+        rows.append({"run": label, "steps": len(diffs), f"max abs loss diff vs {ref}": f"{max(diffs):.4f}",
+                     "mean abs diff": f"{statistics.mean(diffs):.4f}", "final train loss": f"{loss[max(loss)]:.4f}",
+                     "tokens/step": f"{tokens_per_step:,}", f"median step ms (steps > {args.skip})": f"{ms:.1f}",
+                     "median tokens/s": f"{speed:,.0f}", f"tokens/s vs {ref}": f"{speed / ref_speed:.2f}x",
+                     "peak memory MB": f"{peak_mb:,.0f}"})
+    lines = [f"Loss curve and step time by variant: model={args.model}, trainer={args.trainer}, "
+             f"{args.steps} steps of {args.batch}x{args.seq} tokens per process, overrides "
+             f"{args.overrides or 'none'}.", "", markdown(rows)]
     for v, label in zip(variants, labels):
         if label != v:  # a repeat: does the step repeat bit for bit?
             first, again = results[v][0], results[label][0]
             same = [s for s in first if s in again and first[s] == again[s]]
             lines.append(f"\nRepeat {label} vs {v}: {len(same)} of {len(first)} logged losses bitwise equal, "
                          f"max abs diff {max(abs(first[s] - again[s]) for s in first if s in again):.2e}.")
-    curve = ["", "| step | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for s in sorted(set(sorted(ref_loss)[:: max(1, args.steps // 10)]) | {max(ref_loss)}):
-        curve.append(f"| {s} | " + " | ".join(f"{results[r][0].get(s, float('nan')):.4f}" for r in labels) + " |")
-    text = "\n".join(lines + curve) + "\n"
+    shown = sorted(set(sorted(ref_loss)[:: max(1, args.steps // 10)]) | {max(ref_loss)})
+    curve = markdown([{"step": s, **{r: f"{results[r][0].get(s, float('nan')):.4f}" for r in labels}} for s in shown])
+    text = "\n".join([*lines, "", curve]) + "\n"
     print(text, flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ import time
 import torch
 from triton.runtime.errors import OutOfResources
 
-from benchmarks.kda_bench import CASES, make_inputs, run_fla, run_ours, time_ms
+from benchmarks.kda_bench import CASES, make_inputs, run_fla, run_ours, time_sets
+from benchmarks.table import markdown
 from kernels.kda import triton_fwd
 
 # candidate values per kernel and option (the current value is always among those tried)
@@ -69,10 +70,10 @@ def set_option(table: dict, item: str) -> None:
 
 
 def fwd_bwd_ms(shape, case, reps, run=run_ours) -> float:
-    """Forward+backward milliseconds of kda_gated for a gate case (a key of CASES) under the current
-    LAUNCH table (or of ``run``)."""
+    """Forward+backward milliseconds (the median, benchmarks.timing) of kda_gated for a gate case (a key of
+    CASES) under the current LAUNCH table (or of ``run``)."""
     sets = [make_inputs(*shape, case, "cuda", seed=s) for s in range(2)]
-    return time_ms(lambda *xs: run(*xs, CASES[case]), sets, True, reps)
+    return time_sets(lambda *xs: run(*xs, CASES[case]), sets, True, reps).median
 
 
 def tune(shape, reps, budget_s, min_gain, kernels=tuple(GRID), case="sigmoid") -> dict:
@@ -138,8 +139,8 @@ def main(argv=None):
     for name, opts in tuned.items():
         print(f"    {name!r}: dict({', '.join(f'{k}={v}' for k, v in opts.items())}),")
     with_fla = not args.no_fla and importlib.util.find_spec("fla") is not None
-    print("}\n\n| decay | starting table ms | tuned table ms | speed-up | fla chunk_kda ms | tuned / fla |\n"
-          "|---|---|---|---|---|---|")
+    print("}\n", flush=True)
+    rows = []
     for decay in ("sigmoid", "softplus-fast"):
         triton_fwd.LAUNCH.clear()
         triton_fwd.LAUNCH.update(copy.deepcopy(initial))
@@ -148,9 +149,11 @@ def main(argv=None):
         triton_fwd.LAUNCH.update(copy.deepcopy(tuned))
         after = fwd_bwd_ms(args.shape, decay, args.reps)
         fla = fwd_bwd_ms(args.shape, decay, args.reps, run_fla) if with_fla else float("nan")
-        print(f"| {decay} | {before:.3f} | {after:.3f} | {before / after:.2f}x | {fla:.3f} | {after / fla:.2f} |",
-              flush=True)
-
+        print(f"  {decay}: starting table {before:.3f} ms, tuned {after:.3f} ms, fla {fla:.3f} ms", flush=True)
+        rows.append({"decay": decay, "starting table ms": f"{before:.3f}", "tuned table ms": f"{after:.3f}",
+                     "speed-up": f"{before / after:.2f}x", "fla chunk_kda ms": f"{fla:.3f}",
+                     "tuned / fla": f"{after / fla:.2f}"})
+    print(markdown(rows), flush=True)
 
 if __name__ == "__main__":
     main()

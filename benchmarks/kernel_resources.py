@@ -23,6 +23,7 @@ import re
 import subprocess
 import tempfile
 
+from benchmarks.table import markdown
 from kernels import grouped_glu as gg
 
 SM_SHARED_KIB = 228  # shared memory per SM on the H100 and H200 (227 KiB of it usable by one program)
@@ -97,12 +98,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=None, metavar="PATH", help="also write the table to PATH (markdown)")
     args = ap.parse_args(argv)
     rows = [compile_sm90(kernel, launch) for kernel, launch in launches(args.space)]
-    lines = ["| kernel | launch | shared KiB | registers | spilled bytes | programs per SM | pipelined | wgmma |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
-    lines += [f"| {r['kernel']} | {r['launch']} | {r['shared_kib']:.0f} | {r['registers']} | {r['spilled_bytes']} | "
-              f"{r['programs_per_sm']} | {'yes' if r['pipelined'] else 'no'} | {'yes' if r['wgmma'] else 'no'} |"
-              for r in rows]
-    table = "\n".join(lines)
+    table = markdown([{"kernel": r["kernel"], "launch": r["launch"], "shared KiB": f"{r['shared_kib']:.0f}",
+                       "registers": r["registers"], "spilled bytes": r["spilled_bytes"],
+                       "programs per SM": r["programs_per_sm"], "pipelined": "yes" if r["pipelined"] else "no",
+                       "wgmma": "yes" if r["wgmma"] else "no"} for r in rows])
     print(table)
     if args.out:
         with open(args.out, "w") as f:

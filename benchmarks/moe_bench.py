@@ -15,6 +15,9 @@ projections); only the expert matmuls differ: `grouped` = three torch._grouped_m
 `loop` = one matmul triple per expert with tokens (host sync for the segment sizes). One table row per
 (shape, dispatch): milliseconds per forward+backward, tokens/s, and loop time / grouped time.
 
+Every time here is benchmarks.timing's: the median call of about --iters after --warmup, with the
+interquartile range beside it.
+
 --experts: GroupedExperts alone at the K3 default's expert shape (64 experts of width 256 and hidden
 1,408, SiTU; 262,144 (token, expert) pairs: batch 8 x 4,096, top-8), forward + backward with every
 weight's gradient, uniformly random routing. Forms: `grouped` (torch.compile'd: Inductor fuses the GLU,
@@ -53,7 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.step import timed
+from benchmarks.table import markdown
+from benchmarks.timing import Timing, peak_after, time_ms
 from k3lab.config import BalanceConfig, GLUConfig, MoEConfig
 from k3lab.model.moe import GroupedExperts, MoE
 
@@ -87,13 +91,13 @@ def build(shape: Shape, device: str, dtype: torch.dtype) -> MoE:
     return MoE(shape.d_model, cfg, GLUConfig(name="situ"), BalanceConfig(name="qb")).to(device, dtype)
 
 
-def time_fwd_bwd(moe: MoE, x: torch.Tensor, iters: int, warmup: int) -> float:
-    """Mean milliseconds of one forward + backward (parameter and input gradients)."""
+def time_fwd_bwd(moe: MoE, x: torch.Tensor, iters: int, warmup: int) -> Timing:
+    """One forward + backward (parameter and input gradients), timed."""
     def step():
         moe.zero_grad(set_to_none=True)
         x.grad = None
         moe(x).float().square().mean().backward()
-    return timed_ms(step, x.device.type, iters, warmup)
+    return time_ms(step, x.device, iters, warmup)
 
 
 def grouped_available(device: str, dtype: torch.dtype) -> bool:
@@ -132,11 +136,6 @@ def expert_inputs(device: str, dtype: torch.dtype, small: bool) -> tuple[Grouped
     return experts, counts, xs, dy
 
 
-def timed_ms(fn, device: str, iters: int, warmup: int) -> float:
-    """Mean milliseconds of fn() over iters calls after warmup (benchmarks.step.timed: CUDA events on CUDA)."""
-    return timed(fn, warmup, iters, torch.device(device)) * 1e3
-
-
 def tune_launches(kernel: str, space: dict, width: int) -> list[dict]:
     """The launch configurations of `kernel` ("fwd" or "bwd") in a TUNE_SPACE-like grid for experts of `width`:
     every combination (`dh` for the backward only), less tiles over 128 x 128 and stages beyond the K loop's
@@ -168,14 +167,16 @@ def tune_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmup: 
                 print(f"{kernel} {cfg}: {type(err).__name__}")
                 continue
             error = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
+            timing = time_ms(lambda: call(cfg), device, iters, warmup)
             rows.append(dict(kernel=kernel, launch=cfg, default=cfg == gg.LAUNCH[kernel], max_rel_error=error,
-                             ms=timed_ms(lambda: call(cfg), device, iters, warmup)))
-    print("| kernel | launch | ms | max rel. error vs the launch table's |\n|---|---|---:|---:|")
+                             ms=timing.median, iqr=timing.iqr()))
+    shown = []
     for kernel in calls:
         ranked = sorted((r for r in rows if r["kernel"] == kernel), key=lambda r: r["ms"])
-        for r in ranked[:top] + [r for r in ranked[top:] if r["default"]]:
-            print(f"| {kernel} | {r['launch']}{' (table)' if r['default'] else ''} | {r['ms']:.3f} | "
-                  f"{r['max_rel_error']:.1e} |")
+        shown += [{"kernel": kernel, "launch": f"{r['launch']}{' (table)' if r['default'] else ''}", "ms": f"{r['ms']:.3f}",
+                   "IQR ms": r["iqr"], "max rel. error vs the launch table's": f"{r['max_rel_error']:.1e}"}
+                  for r in ranked[:top] + [r for r in ranked[top:] if r["default"]]]
+    print(markdown(shown))
     return rows
 
 
@@ -203,8 +204,6 @@ def routing_rows(device: str, small: bool, iters: int, warmup: int) -> list[dict
         },
     }
     rows = []
-    print(f"routing selections: {tokens:,} tokens, {n} experts, top-{k}, {device}; mean of {iters}\n")
-    print("| selection | form | us | time / first form |\n|---|---|---:|---:|")
     for group, fns in forms.items():
         want, first = None, None
         for form, fn in fns.items():
@@ -212,10 +211,12 @@ def routing_rows(device: str, small: bool, iters: int, warmup: int) -> list[dict
             want = got if want is None else want
             if not torch.equal(got, want):
                 raise AssertionError(f"{group}: {form} gives {got.tolist()}, the first form {want.tolist()}")
-            us = timed_ms(fn, device, iters, warmup) * 1e3
-            first = first or us
-            rows.append(dict(selection=group, form=form, us=us, ratio=us / first))
-            print(f"| {group} | {form} | {us:.1f} | {us / first:.2f} |")
+            timing = time_ms(fn, device, iters, warmup).scaled(1e3)
+            first = first or timing.median
+            rows.append(dict(selection=group, form=form, us=timing.median, iqr=timing.iqr(1), ratio=timing.median / first))
+    print(f"routing selections: {tokens:,} tokens, {n} experts, top-{k}, {device}; median of {iters}\n")
+    print(markdown([{"selection": r["selection"], "form": r["form"], "us": f"{r['us']:.1f}", "IQR us": r["iqr"],
+                     "time / first form": f"{r['ratio']:.2f}"} for r in rows]))
     return rows
 
 
@@ -247,19 +248,20 @@ def combine_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmu
         return [out.detach().float(), y.grad.float(), w.grad.float()]
 
     rows, want, first = [], None, None
-    print(f"combine: {tokens:,} tokens, top-{k}, width {width}, {str(dtype).removeprefix('torch.')}, {device}; "
-          f"forward + backward, mean of {iters}\n")
-    print("| form | us | max rel. error vs the first | time / first form |\n|---|---:|---:|---:|")
     for form, fn in forms.items():
         got = fwd_bwd(fn)
         want = want or got
         error = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, want))
         if error > 1e-2:
             raise AssertionError(f"combine: {form} differs from the first form by {error:.1e} (relative)")
-        us = timed_ms(lambda: fwd_bwd(fn), device, iters, warmup) * 1e3
-        first = first or us
-        rows.append(dict(form=form, us=us, max_rel_error=error, ratio=us / first))
-        print(f"| {form} | {us:.1f} | {error:.1e} | {us / first:.2f} |")
+        timing = time_ms(lambda: fwd_bwd(fn), device, iters, warmup).scaled(1e3)
+        first = first or timing.median
+        rows.append(dict(form=form, us=timing.median, iqr=timing.iqr(1), max_rel_error=error, ratio=timing.median / first))
+    print(f"combine: {tokens:,} tokens, top-{k}, width {width}, {str(dtype).removeprefix('torch.')}, {device}; "
+          f"forward + backward, median of {iters}\n")
+    print(markdown([{"form": r["form"], "us": f"{r['us']:.1f}", "IQR us": r["iqr"],
+                     "max rel. error vs the first": f"{r['max_rel_error']:.1e}", "time / first form": f"{r['ratio']:.2f}"}
+                    for r in rows]))
     return rows
 
 
@@ -289,20 +291,19 @@ def experts_rows(device: str, dtype: torch.dtype, small: bool, iters: int, warmu
     rows = []
     for form, fn in forms.items():
         error = max(((a - b).norm() / b.norm()).item() for a, b in zip(fwd_bwd(fn), reference))
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+        timing = time_ms(lambda: fwd_bwd(fn), device, iters, warmup)
         base = torch.cuda.memory_allocated() if cuda else 0
-        ms = timed_ms(lambda: fwd_bwd(fn), device, iters, warmup)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
-        rows.append(dict(form=form, ms=ms, peak_gib=peak, max_rel_error=error))
+        peak = (peak_after(lambda: fwd_bwd(fn)) - base) / 2**30 if cuda else float("nan")
+        rows.append(dict(form=form, ms=timing.median, iqr=timing.iqr(), peak_gib=peak, max_rel_error=error))
     anchor = next(r["ms"] for r in rows if r["form"] == "grouped, checkpointed")
-    print(f"routed experts alone: {n} experts, width {width}, hidden {hidden}, {pairs:,} pairs, SiTU, "
-          f"{str(dtype).removeprefix('torch.')}, {device}; forward + backward, mean of {iters}\n")
-    print("| form | ms | peak GiB above inputs | max rel. error vs eager grouped | time / grouped, checkpointed |")
-    print("|---|---:|---:|---:|---:|")
     for r in rows:
         r["ratio"] = r["ms"] / anchor
-        print(f"| {r['form']} | {r['ms']:.3f} | {r['peak_gib']:.2f} | {r['max_rel_error']:.1e} | {r['ratio']:.2f} |")
+    print(f"routed experts alone: {n} experts, width {width}, hidden {hidden}, {pairs:,} pairs, SiTU, "
+          f"{str(dtype).removeprefix('torch.')}, {device}; forward + backward, median of {iters}\n")
+    print(markdown([{"form": r["form"], "ms": f"{r['ms']:.3f}", "IQR ms": r["iqr"],
+                     "peak GiB above inputs": f"{r['peak_gib']:.2f}",
+                     "max rel. error vs eager grouped": f"{r['max_rel_error']:.1e}",
+                     "time / grouped, checkpointed": f"{r['ratio']:.2f}"} for r in rows]))
     return rows
 
 
@@ -337,11 +338,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     has_grouped = grouped_available(args.device, dtype)
     torch.manual_seed(0)
 
-    print(f"device={args.device} dtype={str(dtype).removeprefix('torch.')} torch={torch.__version__} "
-          f"grouped_mm={'yes' if has_grouped else 'no'} iters={iters}")
-    header = f"{'moe':<12}{'D':>6}{'experts':>9}{'top_k':>7}{'width':>7}{'hidden':>8}{'tokens':>8}  {'dispatch':<9}{'ms':>10}{'tokens/s':>13}{'loop/grouped':>14}{'max|dy|':>10}"
-    print(header)
-    print("-" * len(header))
     rows = []
     for shape in shapes:
         moe = build(shape, args.device, dtype)
@@ -353,18 +349,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 outs[dispatch] = moe(x).float()
             times[dispatch] = time_fwd_bwd(moe, x, iters, warmup)
         diff = float((outs["grouped"] - outs["loop"]).abs().max()) if has_grouped else float("nan")
-        for dispatch, ms in times.items():
-            ratio = times["loop"] / times["grouped"] if has_grouped else float("nan")
-            row = dict(moe=shape.moe, d_model=shape.d_model, experts=moe.n_experts, top_k=moe.top_k,
-                       width=moe.width, hidden=moe.hidden, tokens=shape.tokens, dispatch=dispatch, ms=ms,
-                       tokens_per_s=shape.tokens / ms * 1e3, ratio=ratio, max_abs_diff=diff)
-            rows.append(row)
-            print(f"{row['moe']:<12}{row['d_model']:>6}{row['experts']:>9}{row['top_k']:>7}{row['width']:>7}"
-                  f"{row['hidden']:>8}{row['tokens']:>8}  {dispatch:<9}{ms:>10.2f}{row['tokens_per_s']:>13,.0f}"
-                  f"{(ratio if dispatch == 'grouped' else 1.0):>14.2f}{diff:>10.2e}")
+        for dispatch, timing in times.items():
+            ratio = times["loop"].median / times["grouped"].median if has_grouped else float("nan")
+            rows.append(dict(moe=shape.moe, d_model=shape.d_model, experts=moe.n_experts, top_k=moe.top_k,
+                             width=moe.width, hidden=moe.hidden, tokens=shape.tokens, dispatch=dispatch,
+                             ms=timing.median, iqr=timing.iqr(2), tokens_per_s=shape.tokens / timing.seconds,
+                             ratio=ratio, max_abs_diff=diff))
+            print(f"  {shape.moe}, width {shape.d_model}, {dispatch}: {timing.median:.2f} ms", flush=True)
         del moe, x
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    print(f"MoE layer forward + backward, {args.device}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
+          f"grouped_mm {'yes' if has_grouped else 'no'}; median of {iters}\n")
+    print(markdown([{"moe": r["moe"], "D": r["d_model"], "experts": r["experts"], "top_k": r["top_k"], "width": r["width"],
+                     "hidden": r["hidden"], "tokens": r["tokens"], "dispatch": r["dispatch"], "ms": f"{r['ms']:.2f}",
+                     "IQR ms": r["iqr"], "tokens/s": f"{r['tokens_per_s']:,.0f}",
+                     "loop / grouped": f"{r['ratio'] if r['dispatch'] == 'grouped' else 1.0:.2f}",
+                     "max abs diff": f"{r['max_abs_diff']:.2e}"} for r in rows]))
     return rows
 
 

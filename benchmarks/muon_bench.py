@@ -8,8 +8,8 @@
 The positional arguments are run.py's Hydra overrides; --variants as in benchmarks.step (override sets
 separated by commas, each on top of the positional ones). Per variant the model and optimizer come from the
 project's builders (K3Model, build_optimizer) in the parameter dtype of trainer.precision, every gradient
-drawn from N(0, 1). Each part is timed alone, --steps calls after --warmup (CUDA events on CUDA, the wall
-clock elsewhere), on the same parameters, gradients and state:
+drawn from N(0, 1). Each part is timed alone by benchmarks.timing (about --steps calls after --warmup; the
+median call, with its interquartile range), on the same parameters, gradients and state:
 
   step        Muon.step(): every group, what training runs
   directions  every bucket's momentum update and directions written into its Newton-Schulz batch
@@ -20,8 +20,8 @@ clock elsewhere), on the same parameters, gradients and state:
   adamw       the AdamW groups (embeddings, LM head, norms, biases): torch's fused AdamW on CUDA
   rest        step minus the parts above (what the step does beyond them, or the spread of the timings)
 
-On a GPU each part's cell also gives, in parentheses, its device time per call: the time of the kernels and
-copies it launched over --steps more calls under torch.profiler. A part timed alone can be bound by its
+On a GPU each part also has its device time per call: the time of the kernels and copies it launched over
+--steps more calls under torch.profiler. A part timed alone can be bound by its
 launches (the host), which its wall time shows and its device time does not; inside a training step the
 device is still busy with the backward while the host launches the optimizer's kernels.
 
@@ -32,7 +32,8 @@ iteration would need to run at to take the same time, comparable across variants
 bytes the directions part moves (per Muon parameter element g and m read and m written in the parameter
 dtype, the direction written in the Newton-Schulz dtype) over its time. Parts stay comparable across
 variants of one call: optim=muon (one matrix per weight) against optim=muon_per_head (one per head block)
-is the cost of the per-head switch.
+is the cost of the per-head switch. Two tables: the parts of each variant, one row per part, and each
+variant's rates and buckets.
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ import shlex
 
 import torch
 
-from benchmarks.step import compose_config, device_of, precision_of, split_variants, timed
+from benchmarks.step import compose_config, device_of, precision_of, split_variants
+from benchmarks.table import markdown
+from benchmarks.timing import time_ms
 from k3lab.config import run_config
 from k3lab.lit import peak_flops
 from k3lab.model import K3Model
@@ -98,7 +101,8 @@ def device_ms(fn, calls: int) -> float:
 
 
 def measure(cfg, warmup: int, steps: int) -> dict:
-    """The parts' milliseconds (wall, and on a GPU device time) and the roofline numbers of one variant."""
+    """The parts' timings (benchmarks.timing; on a GPU also their device time, ms) and the roofline numbers of
+    one variant."""
     device = device_of(cfg)
     dtype, _ = precision_of(cfg, device)
     torch.manual_seed(cfg.seed)
@@ -108,33 +112,38 @@ def measure(cfg, warmup: int, steps: int) -> dict:
     opt, _ = build_optimizer(model, run_config(cfg).optim, total_steps=warmup + steps)
     parts, shapes, moved = muon_parts(opt)
     with torch.no_grad():  # as in Muon.step
-        ms = {name: 1e3 * timed(fn, warmup, steps, device) for name, fn in parts.items()}
+        timings = {name: time_ms(fn, device, steps, warmup) for name, fn in parts.items()}
         device_time = ({name: device_ms(fn, steps) for name, fn in parts.items()} if device.type == "cuda"
                        else None)
+    ms = {name: t.median for name, t in timings.items()}
     for times in filter(None, (ms, device_time)):
         times["rest"] = times["step"] - sum(times[n] for n in PARTS[1:5])
-    return dict(ms=ms, device_ms=device_time, ns_flops=ns_flops(shapes), moved=moved,
+    return dict(ms=ms, timings=timings, device_ms=device_time, ns_flops=ns_flops(shapes), moved=moved,
                 matrices=sum(s[0] for s in shapes), buckets=len(shapes))
 
 
 def table(rows: list[tuple[str, dict]], device: torch.device) -> str:
+    """The parts' table (median ms, its IQR, device ms on a GPU; `rest` has no spread of its own) and the
+    rates' table."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_flops() if device.type == "cuda" else None
-    unit = "ms per call of each part" + (" (device time in parentheses)" if device.type == "cuda" else "")
-    lines = [f"optimizer step on {name}, torch {torch.__version__}; {unit}", "",
-             "| variant | " + " | ".join(PARTS) + " | ns TFLOP/s (of peak) | elementwise GB/s | matrices in buckets |",
-             "|---|" + "---:|" * len(PARTS) + "---:|---:|---|"]
+    parts, rates = [], []
     for variant, r in rows:
-        ms = r["ms"]
+        label, ms, dev = variant or "(overrides only)", r["ms"], r["device_ms"]
+        for part in PARTS:
+            timing = r["timings"].get(part)
+            cells = {"variant": label, "part": part, "ms": f"{ms[part]:.2f}", "IQR ms": timing.iqr(2) if timing else "-"}
+            if dev:
+                cells["device ms"] = f"{dev[part]:.2f}"
+            parts.append(cells)
         ns = ms["ns"] + ms["update"]
         tflops = r["ns_flops"] / (ns * 1e-3) / 1e12 if ns > 0 else float("nan")
         share = f" ({tflops * 1e12 / peak:.0%})" if peak else ""
         gbs = r["moved"] / (ms["directions"] * 1e-3) / 1e9 if ms["directions"] > 0 else float("nan")
-        dev = r["device_ms"]
-        cells = [f"{ms[p]:.2f}" + (f" ({dev[p]:.2f})" if dev else "") for p in PARTS]
-        lines.append(f"| {variant or '(overrides only)'} | " + " | ".join(cells)
-                     + f" | {tflops:.1f}{share} | {gbs:.0f} | {r['matrices']} in {r['buckets']} |")
-    return "\n".join(lines) + "\n"
+        rates.append({"variant": label, "ns TFLOP/s (of peak)": f"{tflops:.1f}{share}", "elementwise GB/s": f"{gbs:.0f}",
+                      "matrices in buckets": f"{r['matrices']} in {r['buckets']}"})
+    return (f"optimizer step on {name}, torch {torch.__version__}; ms per call of each part (the median, "
+            f"benchmarks.timing)\n\n{markdown(parts)}\n\n{markdown(rates)}\n")
 
 
 def main(argv=None) -> str:

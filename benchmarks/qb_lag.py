@@ -29,6 +29,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.table import markdown
 from k3lab.model.moe import MoE
 from k3lab.model.router import QuantileBalance, expert_load, max_violation, route
 from k3lab.train import train
@@ -98,15 +99,15 @@ class QBLagProbe(Callback):
         """Means over four equal step ranges, as a markdown table."""
         n = len(self.rows)
         cuts = [round(i * n / 4) for i in range(5)]
-        lines = ["| steps | " + " | ".join(KEYS) + " |", "|---|" + "---|" * len(KEYS)]
+        rows = []
         for lo, hi in zip(cuts, cuts[1:]):
             part = self.rows[lo:hi]
             if not part:
                 continue
-            means = [statistics.mean(r[key] for r in part if key in r) if any(key in r for r in part) else float("nan")
-                     for key in KEYS]
-            lines.append(f"| {part[0]['step']}-{part[-1]['step']} | " + " | ".join(f"{v:.3f}" for v in means) + " |")
-        return "\n".join(lines)
+            means = {key: f"{statistics.mean(r[key] for r in part if key in r):.3f}" if any(key in r for r in part)
+                     else "nan" for key in KEYS}
+            rows.append({"steps": f"{part[0]['step']}-{part[-1]['step']}", **means})
+        return markdown(rows, ["steps", *KEYS])
 
 
 def main(argv=None) -> None:

@@ -13,10 +13,13 @@ empty set, or none given, is the positional overrides alone). For each variant:
 - bare: the model and optimizer from the project's builders (K3Model from RunConfig.model_config, build_optimizer),
   the training module's step without Lightning: loss = model(x, y).mean + aux_loss, backward, gradient
   clipping to optim.grad_clip, optimizer and LR-scheduler step, zero_grad, router-bias update; under
-  torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile() when train.compile says so
-  (k3lab.train.compile_model, with train.activation_memory_budget); the configured data's training batches of the first steps, put on the
-  device beforehand. --warmup steps, then --steps steps timed between two CUDA events (perf_counter on the
-  CPU); peak memory: torch.cuda.max_memory_allocated over the row. With --profile N, N more steps under
+  torch.autocast(bf16) when trainer.precision is bf16-mixed, bf16 parameters under bf16-true; model.compile()
+  when train.compile says so (k3lab.train.compile_model, with train.activation_memory_budget and
+  train.compile_mode); the configured data's training batches of the first steps, put on the device beforehand
+  (and used again in turn when the timer asks for more steps). --warmup steps, then about --steps steps timed
+  one by one by benchmarks.timing (the median step and its interquartile range; do_bench on CUDA); peak
+  memory: torch.cuda.max_memory_allocated over the warm-up steps and one more step after the timed ones (not
+  over the timed steps, during which do_bench holds its L2-flush buffer: benchmarks.timing). With --profile N, N more steps under
   torch.profiler, printed as the ops with the most device time, the matrix products by input shapes with
   the TFLOP/s each reached (`matmul_shapes`) and, on a GPU, where the device waited
   (`idle_gaps`: its idle gaps, charged to the host ops running when they opened) and where its copies
@@ -27,7 +30,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   directory, logging every train.log_every steps as a run does (a log step reads the losses back, so a
   window of one step would time the host's wait each step), validating one batch at the start and the
   end, no periodic checkpoint: tokens/s over optimizer steps warmup+1 .. warmup+steps, timed by a callback
-  that synchronises the device at both ends (`StepClock`); peak memory from summary.json.
+  that synchronises the device at both ends (`StepClock`: the mean step of that window, no spread; a trainer's
+  loop is not a callable that benchmarks.timing could call); peak memory from summary.json.
 - with --fla (needs fla-core and flash-linear-attention 0.6.0): fla's KDAForCausalLM at each variant's
   configuration (hidden size, layers, heads, head_dim, vocabulary, FFN width; softmax-attention layers
   where the model has MLA, through its `attn` config, which needs flash-attn: add mixer=kda for an all-KDA
@@ -40,7 +44,8 @@ empty set, or none given, is the positional overrides alone). For each variant:
   Triton's on-disk cache of autotuning results (TRITON_CACHE_AUTOTUNING=1, unless set), so a later process
   sharing TRITON_CACHE_DIR compiles only the configurations chosen before.
 
-One table: tokens/s, ms/step, MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
+One table: tokens/s and ms/step (the median step; the trainer path's mean), the IQR of the step in ms (bare and
+fla rows), MFU (FLOPs per token by k3lab.flops, with the fla model's own matmul
 parameters for its row, times tokens/s over the device's dense bf16 peak, k3lab.lit.PEAK_FLOPS; "-" where
 unknown, e.g. the CPU), peak memory in GiB (on the CPU the process's peak resident memory, which only
 grows from row to row) and, of it, what the parameters, gradients and optimizer states hold (bare and fla
@@ -59,6 +64,7 @@ import contextlib
 import gc
 import heapq
 import io
+import itertools
 import os
 import shlex
 import subprocess
@@ -66,6 +72,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +82,8 @@ import torch._dynamo
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from benchmarks.table import markdown
+from benchmarks.timing import Timing, peak_after, time_ms
 from k3lab.config import ModelConfig, OptimConfig, compile_mode, run_config
 from k3lab.data import K3DataModule
 from k3lab.flops import flops_per_token, mixing_flops_per_token
@@ -96,6 +105,14 @@ class Row:
     peak_mb: float
     state_mb: float | None = None  # parameters, gradients and optimizer states (the rest of the peak: activations)
     fla: Row | None = None         # with --fla: fla's row at this variant's configuration, for the ratios
+    timing: Timing | None = None   # bare and fla rows: the timed steps' median and quartiles
+
+
+def timed_row(variant: str, path: str, timing: Timing, tokens_per_step: int, flops_per_token: float,
+              peak_mb: float, state_mb: float | None) -> Row:
+    """A row of steps timed by benchmarks.timing: tokens/s and ms/step from the median step."""
+    return Row(variant, path, tokens_per_step / timing.seconds, timing.median, flops_per_token, peak_mb, state_mb,
+               timing=timing)
 
 
 def split_variants(text: str) -> list[str]:
@@ -157,25 +174,6 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def timed(step, warmup: int, steps: int, device: torch.device) -> float:
-    """Seconds per step of `step()` over `steps` calls after `warmup` calls."""
-    for _ in range(warmup):
-        step()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - t0) / steps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / steps
-
-
 def training_batches(cfg: DictConfig, n: int, device: torch.device) -> tuple[K3DataModule, list]:
     """The data module and the training batches (x, y) [B, T] of steps 0..n-1, on the device."""
     dm = K3DataModule(run_config(cfg).data, seed=cfg.seed)
@@ -203,17 +201,18 @@ def saved_tensors_table(forward, rows: int = 12) -> str:
         g[0] += 1
         g[1] += nbytes
     total = sum(b for _, b in groups.values())
-    lines = [f"Saved for backward: {total / 2**30:.2f} GiB in {len(storages)} storages", "",
-             "| shape | dtype | tensors | GiB |", "|---|---|---|---|"]
-    for (shape, dtype), (n, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:rows]:
-        lines.append(f"| {list(shape)} | {dtype} | {n} | {nbytes / 2**30:.3f} |")
-    return "\n".join(lines)
+    largest = sorted(groups.items(), key=lambda kv: -kv[1][1])[:rows]
+    return (f"Saved for backward: {total / 2**30:.2f} GiB in {len(storages)} storages\n\n"
+            + markdown([{"shape": list(shape), "dtype": dtype, "tensors": n, "GiB": f"{nbytes / 2**30:.3f}"}
+                        for (shape, dtype), (n, nbytes) in largest], columns=["shape", "dtype", "tensors", "GiB"]))
 
 
 def training_step(model: K3Model, opt, sched, clip: float, autocast, x: torch.Tensor, y: torch.Tensor) -> None:
     """One step of the bare loop on the batch x, y [B, T]: the loss (mean cross-entropy + router aux loss)
     under `autocast`, backward, gradient clipping to `clip` (k3lab.lit.clip_grad_norm), optimizer and
-    LR-scheduler step, zero_grad and the router-bias update, as the training module does."""
+    LR-scheduler step, zero_grad and the router-bias update, as the training module does (which also marks
+    each step's start for CUDA graphs: k3lab.lit.K3LitModule.training_step)."""
+    torch.compiler.cudagraph_mark_step_begin()
     with autocast:
         loss = model(x, y).mean + model.aux_loss()
     loss.backward()
@@ -237,16 +236,15 @@ def bare_row(variant: str, cfg: DictConfig, warmup: int, steps: int, profile: in
     optim_cfg: OptimConfig = run_config(cfg).optim
     opt, sched = build_optimizer(model, optim_cfg, total_steps=warmup + steps)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
-    it = iter(batches)
+    it = itertools.cycle(batches)
 
     def step():
         training_step(model, opt, sched, clip, autocast, *next(it))
 
-    seconds = timed(step, warmup, steps, device)
+    timing, peak = time_with_peak(step, device, warmup, steps)
     if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / bare: {compiled_graphs()}", flush=True)
-    row = Row(variant, "bare", cfg.data.batch_size * cfg.data.seq_len / seconds, 1e3 * seconds, fpt, peak_mb(device),
-              state_mb(model, opt))
+    row = timed_row(variant, "bare", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak, state_mb(model, opt))
     if profile:
         print(f"Profile of {profile} bare steps, {variant or '(overrides only)'}:\n{profile_table(step, profile, device)}",
               flush=True)
@@ -265,7 +263,10 @@ def compiled_graphs() -> str:
     counters = torch._dynamo.utils.counters
     breaks = counters["unimplemented"]
     reasons = "".join(f"\n    {n} x {reason.splitlines()[0]}" for reason, n in breaks.most_common(3))
-    return f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{reasons}"
+    skips = counters["inductor"]["cudagraph_skips"]  # train.compile_mode=reduce-overhead: graphs not recorded
+    skipped = f", {skips} graphs not recorded as CUDA graphs (TORCH_LOGS=perf_hints says why)" if skips else ""
+    return (f"compiled {counters['stats']['unique_graphs']} graphs, {sum(breaks.values())} graph breaks{skipped}"
+            f"{reasons}")
 
 
 def profiler(device: torch.device) -> torch.profiler.profile:
@@ -497,8 +498,11 @@ class StepClock(L.Callback):
 
 
 def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp: Path, index: int,
-                profile: int = 0) -> Row:
-    total = warmup + steps + profile
+                profile: int = 0, tail: int = 0, callbacks: Sequence[L.Callback] = ()) -> Row:
+    """The trainer path's row (module docstring): warmup + steps (+ profile) steps, then `tail` more untimed
+    ones, in run directory tmp/step/v<index> (its summary.json stays there); `callbacks` run before the
+    clock's at each hook."""
+    total = warmup + steps + profile + tail
     run = [f"train.max_steps={total}", f"train.val_every={total}", "train.val_batches=1", "train.ckpt_every=0",
            f"out_dir={tmp}", "group=step", f"run_name=v{index}", "overwrite=true"]
     cfg = compose_config([*overrides, *run])
@@ -507,7 +511,7 @@ def trainer_row(variant: str, overrides: list[str], warmup: int, steps: int, tmp
     torch._dynamo.utils.counters.clear()
     clock = StepClock(warmup, warmup + steps, device)
     probe = ProfileSteps(warmup + steps, profile, device)
-    summary = train(cfg, overrides=[*overrides, *run], callbacks=[clock, probe] if profile else [clock])
+    summary = train(cfg, overrides=[*overrides, *run], callbacks=[*callbacks, clock, *([probe] if profile else [])])
     if compile_mode(run_config(cfg)):
         print(f"  {variant or '(overrides only)'} / trainer: {compiled_graphs()}", flush=True)
     if profile:
@@ -555,7 +559,7 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
                             eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, fused=True)
     clip = optim_cfg.grad_clip if optim_cfg.grad_clip > 0 else float("inf")
     model.train()
-    it = iter(batches)
+    it = itertools.cycle(batches)
 
     def step():
         x, _ = next(it)
@@ -565,9 +569,8 @@ def fla_row(cfg: DictConfig, warmup: int, steps: int, variant: str = "") -> Row:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds = timed(step, warmup, steps, device)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    return Row(variant, "fla", tokens / seconds, 1e3 * seconds, fpt, peak_mb(device), state_mb(model, opt))
+    timing, peak = time_with_peak(step, device, warmup, steps)
+    return timed_row(variant, "fla", timing, cfg.data.batch_size * cfg.data.seq_len, fpt, peak, state_mb(model, opt))
 
 
 def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -576,6 +579,18 @@ def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
                *(v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) / 2**20
+
+
+def time_with_peak(step, device: torch.device, warmup: int, steps: int) -> tuple[Timing, float]:
+    """benchmarks.timing's timing of `steps` calls of step() after `warmup` ones, and the peak memory in MB of
+    the warm-up and of one more call after the timed ones (on CUDA; on the CPU the process's peak)."""
+    for _ in range(warmup):
+        step()
+    warm = peak_mb(device)
+    timing = time_ms(step, device, steps, warmup=0)
+    if device.type != "cuda":
+        return timing, peak_mb(device)
+    return timing, max(warm, peak_after(step) / 2**20)
 
 
 def peak_mb(device: torch.device) -> float:
@@ -609,18 +624,19 @@ def progress(row: Row, seconds: float) -> str:
 def table(rows: list[Row], header: list[str]) -> str:
     peak = peak_flops()
     with_fla = any(r.fla for r in rows)
-    extra = " ours / fla tokens/s | ours / fla memory |" if with_fla else ""
-    lines = [*header, "", "| variant | path | tokens/s | ms/step | MFU | peak memory GiB | of it parameters, "
-             "gradients, optimizer states |" + extra, "|---|---|---|---|---|---|---|" + ("---|---|" if with_fla else "")]
+    cells = []
     for r in rows:
-        mfu = f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-"
-        # three decimals: the goals are ratios (1.3x, 1.2x), and 1.296 printed as 1.30 would read as met
-        ratios = (f" {r.tokens_per_s / r.fla.tokens_per_s:.3f} | {r.peak_mb / r.fla.peak_mb:.3f} |" if r.fla
-                  else " | |") if with_fla else ""
-        state = f"{r.state_mb / 1024:.2f}" if r.state_mb is not None else "-"
-        lines.append(f"| {r.variant or '(overrides only)'} | {r.path} | {r.tokens_per_s:,.0f} | {r.ms_per_step:.2f} | "
-                     f"{mfu} | {r.peak_mb / 1024:.2f} | {state} |{ratios}")
-    return "\n".join(lines) + "\n"
+        cell = {"variant": r.variant or "(overrides only)", "path": r.path, "tokens/s": f"{r.tokens_per_s:,.0f}",
+                "ms/step": f"{r.ms_per_step:.2f}", "IQR ms": r.timing.iqr(2) if r.timing else "-",
+                "MFU": f"{r.tokens_per_s * r.flops_per_token / peak:.1%}" if peak else "-",
+                "peak memory GiB": f"{r.peak_mb / 1024:.2f}",
+                "of it parameters, gradients, optimizer states": f"{r.state_mb / 1024:.2f}" if r.state_mb is not None
+                else "-"}
+        if with_fla:  # three decimals: the goals are ratios (1.3x, 1.2x), and 1.296 printed as 1.30 would read as met
+            cell["ours / fla tokens/s"] = f"{r.tokens_per_s / r.fla.tokens_per_s:.3f}" if r.fla else ""
+            cell["ours / fla memory"] = f"{r.peak_mb / r.fla.peak_mb:.3f}" if r.fla else ""
+        cells.append(cell)
+    return "\n".join([*header, "", markdown(cells)]) + "\n"
 
 
 BASE_PATHS = ("benchmarks", "k3lab", "kernels", "conf", "run.py", "pyproject.toml")  # the code a row runs
@@ -729,7 +745,8 @@ def main(argv=None) -> str:
     rows += fla_by_model.values()
     device = torch.cuda.get_device_name() + gpu_board() if device_of(first).type == "cuda" else "CPU"
     header = [f"Training step, {device}, torch {torch.__version__}: {first.data.batch_size} x {first.data.seq_len} tokens, "
-              f"{args.warmup} warm-up + {args.steps} timed steps.",
+              f"{args.warmup} warm-up + {args.steps} timed steps (bare and fla: the median step, benchmarks.timing; "
+              f"trainer: the mean over the window).",
               "", f"    python -m benchmarks.step {shlex.join(sys.argv[1:] if argv is None else argv)}"]
     text = base + table(rows, header)
     print(text, flush=True)

@@ -42,6 +42,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
 NS_DTYPES = ("bf16", "fp32")       # optim.ns_dtype
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode: torch.compile's modes the harness runs
 MUON_OPTIONS = ("muon_per_head", "muon")
 LATENT_MOE = ("latent_norm", "latent")
 ROUTED_MOE = ("latent_norm", "latent", "standard")
@@ -429,6 +430,8 @@ class TrainConfig:
     ckpt_every: int = setting(50, ge=0)      # 0: only the checkpoint at the end
     compile: Optional[bool] = None           # null: on for GPUs, off for the CPU; true: model.compile(); false: eager
     compile_backend: str = "inductor"        # inductor | aot_eager | eager (the last two trace without kernels: CPU tests)
+    compile_mode: str = "default"            # default | reduce-overhead: the compiled forward and backward replayed as
+                                             # CUDA graphs (one launch each instead of one per kernel; GPUs, inductor)
     activation_memory_budget: float = setting(1.0, gt=0, le=1)  # compiled: share of saved activations the backward keeps
     overfit_batches: int = setting(0, ge=0)  # >0: train (and validate) on that many fixed batches (debug=overfit)
     preempt_signal: Optional[str] = "${oc.env:SUBMITIT_PREEMPT_SIGNAL,USR2}"  # save at the next log step, stop (preempt.py)
@@ -436,6 +439,7 @@ class TrainConfig:
     def check(self, typed_keys: frozenset[str] = frozenset()) -> "TrainConfig":
         check_fields("train", self, typed_keys)
         check_choice("train.compile_backend", self.compile_backend, COMPILE_BACKENDS)
+        check_choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
         return self
 
 
@@ -677,14 +681,25 @@ def compile_mode(run: RunConfig) -> bool:
     compiling a small model costs more than it saves); true and false are passed through. The model is
     compiled with nn.Module.compile (backend train.compile_backend), which compiles its __call__ in place:
     parameter names, state dicts and checkpoints are those of the eager model. A train.activation_memory_budget
-    below 1 needs a compiled model (k3lab.train.compile_model)."""
-    mode = run.train.compile
+    below 1 needs a compiled model (k3lab.train.compile_model), and so does a train.compile_mode other than
+    default, which also needs CUDA (reduce-overhead records CUDA graphs) and inductor (which makes the kernels
+    they replay)."""
+    mode, tc = run.train.compile, run.train
     compiled = run.trainer.accelerator != "cpu" if mode is None else mode
-    budget = run.train.activation_memory_budget
-    if budget != 1.0 and not compiled:
-        raise ConfigError(f"train.activation_memory_budget={budget} acts on compiled models only, and train.compile="
-                          f"{_show(mode)} does not compile on trainer.accelerator={run.trainer.accelerator} "
-                          "(set train.compile=true)")
+    where = f"train.compile={_show(mode)} does not compile on trainer.accelerator={run.trainer.accelerator}"
+    if tc.activation_memory_budget != 1.0 and not compiled:
+        raise ConfigError(f"train.activation_memory_budget={tc.activation_memory_budget} acts on compiled models only, "
+                          f"and {where} (set train.compile=true)")
+    if tc.compile_mode != "default":
+        if run.trainer.accelerator == "cpu":
+            raise ConfigError(f"train.compile_mode={tc.compile_mode} records CUDA graphs, and trainer.accelerator=cpu "
+                              "runs none: drop it (or train on a GPU, trainer=gpu)")
+        if not compiled:
+            raise ConfigError(f"train.compile_mode={tc.compile_mode} acts on compiled models only, and {where} "
+                              "(set train.compile=true)")
+        if tc.compile_backend != "inductor":
+            raise ConfigError(f"train.compile_mode={tc.compile_mode} replays inductor's kernels, and "
+                              f"train.compile_backend={tc.compile_backend} makes none: drop one of them")
     return compiled
 
 

@@ -17,8 +17,10 @@ Reading at the log and checkpoint steps, rather than keeping a device-side flag 
 costs no sync beyond the one logging needs and keeps the optimizer's code as it is. Validation sums its
 loss, hits and counts on the device and reads them once, at its end.
 
-train.compile compiles the model (k3lab.train.compile_mode); training steps run it compiled, validation
-eagerly (validation_step says why).
+train.compile compiles the model (k3lab.train.compile_model); training steps run it compiled, validation
+eagerly (validation_step says why). Each training step marks its start for torch's CUDA graph trees
+(train.compile_mode=reduce-overhead), so that a step's recorded graphs may reuse the memory of the previous
+step's outputs; what the module keeps of a step's outputs (the window's losses) it copies within the step.
 
 Under trainer=fsdp, `configure_model` shards the model (k3lab.parallel); the reads above are then one
 all-reduce over every data-parallel rank, as under DDP.
@@ -36,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from k3lab.config import OptimConfig
 from k3lab.errors import UserError
 from k3lab.model.k3 import K3Model
-from k3lab.model.moe import MoE
+from k3lab.model.moe import STATS, MoE
 from k3lab.optim import lightning_optimizers
 from k3lab.parallel import is_sharded, shard_model
 
@@ -158,6 +160,7 @@ class K3LitModule(L.LightningModule):
     # --- training -------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         x, y = batch
+        torch.compiler.cudagraph_mark_step_begin()
         loss = self.model(x, y).mean
         self._step_loss = loss.detach()
         self._steps += 1
@@ -219,14 +222,14 @@ class K3LitModule(L.LightningModule):
         self._loss_sum, self._loss_count, self._steps, self._t_last = 0.0, 0, 0, now
 
     def router_metrics(self) -> dict[str, float]:
-        out, maxvio = {}, []
-        for i, sub in enumerate(self.model.sublayers):
-            if isinstance(sub.fn, MoE):
-                for name, value in sub.fn.stats().items():
-                    out[f"moe/{name}/layer{i // 2}"] = value
-                maxvio.append(out[f"moe/maxvio/layer{i // 2}"])
-        if maxvio:
-            out["moe/maxvio"] = sum(maxvio) / len(maxvio)
+        """moe/<stat>/layer<i> of every MoE layer (MoE.stats_tensor) and their mean moe/maxvio, read from the
+        device in one copy."""
+        layers = [(i // 2, sub.fn) for i, sub in enumerate(self.model.sublayers) if isinstance(sub.fn, MoE)]
+        if not layers:
+            return {}
+        values = torch.stack([moe.stats_tensor() for _, moe in layers]).tolist()
+        out = {f"moe/{name}/layer{layer}": v for (layer, _), row in zip(layers, values) for name, v in zip(STATS, row)}
+        out["moe/maxvio"] = sum(row[0] for row in values) / len(values)
         return out
 
     def log_metrics(self, metrics: dict[str, float]) -> None:

@@ -199,15 +199,17 @@ def deterministic_mode(tc: TrainerConfig) -> bool | str:
 
 
 def compile_model(model: nn.Module, run: RunConfig) -> None:
-    """model.compile() when compile_mode(cfg) says so, with train.activation_memory_budget handed to the
-    partitioner that splits each compiled graph into forward and backward (torch._functorch.config, a
-    process-wide setting read when a graph is first compiled): at 1 the backward keeps what the min-cut
-    partitioner would; below 1 it recomputes the ops cheapest by FLOPs until the saved activations fit
-    that share."""
+    """model.compile() when compile_mode(cfg) says so, in torch.compile's mode train.compile_mode, with
+    train.activation_memory_budget handed to the partitioner that splits each compiled graph into forward and
+    backward (torch._functorch.config, a process-wide setting read when a graph is first compiled): at 1 the
+    backward keeps what the min-cut partitioner would; below 1 it recomputes the ops cheapest by FLOPs until
+    the saved activations fit that share. Under reduce-overhead the forward and backward graphs are recorded
+    as CUDA graphs (torch's CUDA graph trees) and replayed, one launch each: the batches have one shape, and
+    the step reads nothing back to the host (k3lab.lit), which a recorded graph could not hold."""
     if not compile_mode(run):
         return
     torch._functorch.config.activation_memory_budget = run.train.activation_memory_budget
-    model.compile(backend=run.train.compile_backend)
+    model.compile(backend=run.train.compile_backend, mode=run.train.compile_mode)
 
 
 def build_loggers(run: RunConfig, run_dir: Path, tokens_per_step: int, fpt: float, start_step: int = 0,

@@ -1,5 +1,9 @@
 """The training step reads nothing back to the host (k3lab/lit.py's contract): on a GPU a sync stalls the host
 until the device drains its queue, and the device then idles while the host launches the next work."""
+import sys
+from pathlib import Path
+
+import lightning as L
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -8,6 +12,8 @@ from k3lab.config import ModelConfig, OptimConfig
 from k3lab.lit import clip_grad_norm
 from k3lab.model import K3Model
 from k3lab.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Tensor methods that read a value to the host, or build a tensor from host values (on a GPU: a blocking copy)
 HOST_VALUE_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "new_tensor"}
@@ -83,3 +89,67 @@ def test_k3_default_training_step_never_syncs_the_host(balance):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class HarnessReads(HostValues):
+    """HostValues that keeps, of each call, the innermost function of this repository that made it
+    ("k3lab/lit.py:check_finite"): the reads of the training module's bookkeeping, told apart from those of the
+    model's CPU paths and of torch's CPU optimizer (the GPU step above makes none of those)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        before = len(self.calls)
+        out = super().__torch_function__(func, types, args, kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith(str(ROOT)):
+            frame = frame.f_back
+        if len(self.calls) > before and frame is not None:
+            self.calls[-1] = f"{Path(frame.f_code.co_filename).relative_to(ROOT).as_posix()}:{frame.f_code.co_name}"
+        return out
+
+
+# Reads of the CPU's own paths, which a CUDA step does not take (it runs Triton KDA, grouped matmuls and fused
+# AdamW: test_k3_default_training_step_never_syncs_the_host): the chunkwise torch KDA's check of its gates, the
+# per-expert loop's segment sizes, torch's single-tensor AdamW's step count.
+CPU_PATHS = {"kernels/kda/chunk_torch.py:__init__", "k3lab/model/moe.py:_loop", "k3lab/optim/muon.py:_adamw_step"}
+
+
+class StepReads(L.Callback):
+    """HarnessReads around each training step as the trainer runs it, from its batch's start to its end (the
+    metrics row of a log step, which TrainMetrics writes at the batch's end, included): each step's reads
+    outside CPU_PATHS, by the optimizer steps done after it."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[str]] = {}
+        self.recorder: HarnessReads | None = None
+
+    def on_train_batch_start(self, trainer, *_):
+        self.recorder = HarnessReads()
+        self.recorder.__enter__()
+
+    def on_train_batch_end(self, trainer, *_):
+        self.recorder.__exit__(None, None, None)
+        self.by_step[trainer.global_step] = [c for c in self.recorder.calls if c not in CPU_PATHS]
+
+
+def test_a_run_reads_the_device_only_at_its_log_steps_and_once_for_the_routers(tmp_path):
+    """Through the trainer (the K3 default: three MoE layers with Quantile Balancing), logging every 3 steps: no
+    step between log steps reads anything back to the host; a log step reads twice, the window of losses and
+    gradient norms (k3lab.lit.check_finite) and every MoE layer's routing statistics in one copy
+    (K3LitModule.router_metrics), which metrics.jsonl then holds."""
+    from hydra import compose, initialize_config_dir
+
+    from k3lab.rundir import read_metrics
+    from k3lab.train import train
+    from test_train import byte_args, small_corpus
+
+    args = byte_args(small_corpus(tmp_path / "corpus"), tmp_path, "train.max_steps=6", "train.log_every=3",
+                     "train.val_every=6", "train.ckpt_every=0", "run_name=reads")
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    reads = StepReads()
+    train(cfg, overrides=args, callbacks=[reads])
+    log_step = ["k3lab/lit.py:check_finite", "k3lab/lit.py:router_metrics"]
+    assert reads.by_step == {1: [], 2: [], 3: log_step, 4: [], 5: [], 6: log_step}, reads.by_step
+    logged = [r for r in read_metrics(tmp_path / "default" / "reads") if "loss/train" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    assert all(len([k for k in r if k.startswith("moe/maxvio/layer")]) == 3 for r in logged), logged

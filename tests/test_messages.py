@@ -48,7 +48,7 @@ def composed(*overrides: str):
                                   "the forward keeps At and P anyway): set both, or neither"),
     (["train.val_every=abc"], "train.val_every='abc' is not an integer"),
     (["+train.foo=1"], "train.foo is not a key; the keys of train: activation_memory_budget, ckpt_every, compile, "
-                       "compile_backend, default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
+                       "compile_backend, compile_mode, default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
                        "tokens_per_param, val_batches, val_every"),
     # a value out of its range (k3lab.config.setting)
     (["seed=-1"], "seed=-1 must be >= 0"),
@@ -74,6 +74,8 @@ def composed(*overrides: str):
     (["kernels.backend=torch", "kernels.recompute_chunks=true"], "kernels.recompute_chunks=true acts on the Triton "
                                                                  "KDA kernels only (kernels.backend=torch ignores "
                                                                  "it): set kernels.backend=triton, or drop it"),
+    (["train.compile_mode=reduce-overhead"], "train.compile_mode=reduce-overhead records CUDA graphs, and "
+                                             "trainer.accelerator=cpu runs none: drop it (or train on a GPU, trainer=gpu)"),
     (["mixer=mla", "kernels.checkpoint_kda=true"], "the kernels.*kda / recompute settings act on KDA layers, and "
                                                    "mixer=mla with 4 layers has none: set them false"),
     # paths that cannot be used

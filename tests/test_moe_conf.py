@@ -34,6 +34,12 @@ def test_moe_options_on_the_tiny_model(option, experts, top_k, width):
     assert (moe.norm is not None) == (option == "latent_norm")
 
 
+def table_column(text: str, i: int) -> list[str]:
+    """Column i of the rows of the Markdown table in `text` (below its header and rule)."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [line.split("|")[1 + i].strip() for line in lines[2:]]
+
+
 def test_benchmark_runs_on_cpu():
     from benchmarks import moe_bench as bench
 
@@ -53,7 +59,7 @@ def test_experts_benchmark_runs_on_cpu(capsys):
     rows = bench.main(["--device", "cpu", "--small", "--experts", "--iters", "1", "--warmup", "0"])
     assert [r["form"] for r in rows] == ["grouped", "grouped, checkpointed"]
     assert all(r["ms"] > 0 and r["max_rel_error"] < 1e-6 for r in rows) and rows[1]["ratio"] == 1.0
-    assert "| grouped, checkpointed |" in capsys.readouterr().out
+    assert ["grouped", "grouped, checkpointed"] == table_column(capsys.readouterr().out, 0)
 
 
 def test_routing_benchmark_runs_on_cpu(capsys):
@@ -64,7 +70,7 @@ def test_routing_benchmark_runs_on_cpu(capsys):
     rows = bench.main(["--device", "cpu", "--small", "--routing", "--iters", "1", "--warmup", "0"])
     assert [r["selection"] for r in rows] == ["QB cutoffs"] * 3 + ["tokens per expert"] * 5
     assert all(r["us"] > 0 for r in rows) and rows[0]["ratio"] == rows[3]["ratio"] == 1.0
-    assert "| QB cutoffs | topk, transposed (qb_quantile_exact) |" in capsys.readouterr().out
+    assert "topk, transposed (qb_quantile_exact)" in table_column(capsys.readouterr().out, 1)
 
 
 def test_tune_kernels_refuses_a_kernel_it_does_not_have(capsys):
@@ -85,4 +91,4 @@ def test_combine_benchmark_runs_on_cpu(capsys):
     rows = bench.main(["--device", "cpu", "--small", "--combine", "--iters", "1", "--warmup", "0"])
     assert [r["form"] for r in rows] == ["slots added in turn (moe.combine)", "sum over slots"]
     assert rows[0]["ratio"] == 1.0 and rows[1]["max_rel_error"] < 1e-6 and all(r["us"] > 0 for r in rows)
-    assert "| sum over slots |" in capsys.readouterr().out
+    assert table_column(capsys.readouterr().out, 0) == ["slots added in turn (moe.combine)", "sum over slots"]

@@ -815,26 +815,31 @@ def test_state_dict_resume_is_exact(name):
 def test_muon_bench_counts_the_newton_schulz_work_and_splits_heads_only_per_head():
     """benchmarks.muon_bench on the CPU's tiny model: Newton-Schulz FLOPs by the formula (a batch of 2 matrices
     4 x 8, 5 iterations: 2 x 5 x (4*16*8 + 2*64)), one table row per variant, and per-head Muon orthogonalising
-    more (smaller) matrices than global Muon, with AdamW running none."""
-    from benchmarks.muon_bench import main, ns_flops
+    more (smaller) matrices than global Muon, with AdamW running none. The parts' table has each part of each
+    variant, every timed part's median inside its interquartile range."""
+    from benchmarks.muon_bench import PARTS, main, ns_flops
 
     assert ns_flops([(2, 4, 8, 5)]) == ns_flops([(2, 8, 4, 5)]) == 2 * 5 * (4 * 16 * 8 + 2 * 64)
-    text = main(["trainer=cpu", "--warmup", "0", "--steps", "1",
+    text = main(["trainer=cpu", "--warmup", "0", "--steps", "3",
                  "--variants", "optim=muon_per_head,optim=muon,optim=adamw"])
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines()
-            if line.startswith("| optim=")}
-    matrices = {v: int(r[-1].split(" in ")[0]) for v, r in rows.items()}
+    _, parts, rates = (
+        [[c.strip() for c in line.split("|")[1:-1]] for line in block.splitlines()[2:]] for block in text.split("\n\n"))
+    assert [(r[0], r[1]) for r in parts] == [(v, part) for v in ("optim=muon_per_head", "optim=muon", "optim=adamw")
+                                             for part in PARTS], text
+    for variant, part, ms, iqr in parts:
+        if part != "rest":
+            q1, q3 = map(float, iqr.split("-"))
+            assert q1 <= float(ms) <= q3, (variant, part, ms, iqr)
+    matrices = {r[0]: int(r[-1].split(" in ")[0]) for r in rates}
     assert matrices["optim=muon_per_head"] > matrices["optim=muon"] > 0 == matrices["optim=adamw"], text
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_muon_bench_gives_each_parts_device_time():
-    """On a GPU every part's cell carries its device time in parentheses, the step's above zero."""
-    from benchmarks.muon_bench import main
+    """On a GPU every part has its device time beside its wall time, the step's above zero."""
+    from benchmarks.muon_bench import PARTS, main
 
     text = main(["trainer=gpu", "--warmup", "1", "--steps", "2"])
-    row = next(line for line in text.splitlines() if line.startswith("| (overrides only)"))
-    cells = row.split(" | ")[1:7]
-    assert all(c.endswith(")") for c in cells), row
-    assert float(cells[0].split("(")[1].rstrip(")")) > 0, row
+    parts = {r[1]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in text.split("\n\n")[1].splitlines()[2:])}
+    assert list(parts) == list(PARTS) and float(parts["step"][4]) > 0, text

@@ -7,7 +7,6 @@ ShortConv on it and the benchmark run in-process.
 CUDA (``pytest -m gpu``): bf16 and fp32 at B=2, T=4096, C=1024, and under torch.compile(fullgraph=True).
 """
 import json
-import time
 
 import pytest
 import torch
@@ -123,10 +122,11 @@ def test_launch_sweep_times_every_config_and_checks_it_against_the_default(resul
     """benchmarks.conv_bench --sweep-bwd on a grid of 4: the default's row and the four, each one's dx and dw
     the default's."""
     lines = results["sweep"]
-    rows = [line for line in lines if line.startswith("| ") and "BT x BC" not in line]
-    assert len(rows) == 5 and "(default)" in rows[0] and all(line.endswith("| yes |") for line in rows), lines
-    assert sorted(line.split(" | ")[0].lstrip("| ") + "/" + line.split(" | ")[2] for line in rows[1:]) == [
-        "16 x 16/1", "16 x 16/3", "8 x 16/1", "8 x 16/3"]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| ")]
+    header, rows = rows[0], rows[1:]
+    assert header[0] == "BT x BC" and header[-1] == "same dx, dw", lines
+    assert len(rows) == 5 and "(default)" in rows[0][0] and all(r[-1] == "yes" for r in rows), lines
+    assert sorted(f"{r[0]}/{r[2]}" for r in rows[1:]) == ["16 x 16/1", "16 x 16/3", "8 x 16/1", "8 x 16/3"]
 
 
 def test_custom_ops_pass_opcheck(results):
@@ -189,12 +189,11 @@ def test_benchmark_runs_on_cpu(capsys, tmp_path):
     """`python -m benchmarks.conv_bench --device cpu`: the torch row of one tiny shape, the table to --out."""
     from benchmarks.conv_bench import main
 
-    t0 = time.perf_counter()
     rows = main(["--device", "cpu", "--reps", "2", "--out", str(tmp_path / "conv.md")])
-    assert time.perf_counter() - t0 < 10
     assert [r["impl"] for r in rows] == ["torch"] and rows[0]["fwd_ratio"] == 1.0
-    assert "| 2x256x64 | torch |" in capsys.readouterr().out
-    assert (tmp_path / "conv.md").read_text().count("| torch |") == 1
+    table = [[c.strip() for c in line.split("|")[1:3]] for line in (tmp_path / "conv.md").read_text().splitlines()
+             if line.startswith("| 2x")]
+    assert table == [["2x256x64", "torch"]] and "| 2x256x64 " in capsys.readouterr().out
 
 
 # --- CUDA ------------------------------------------------------------------------------------------

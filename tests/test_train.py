@@ -165,7 +165,7 @@ def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
     """benchmarks.qb_lag rides along as a callback: the run's curve is bit-identical to a plain run, its
     `actual` column is the logged moe/maxvio, and the fixed point balances its own batch at least as
     well as one K3 update."""
-    from benchmarks.qb_lag import QBLagProbe
+    from benchmarks.qb_lag import KEYS, QBLagProbe
 
     args = overrides(corpus, tmp_path, "train.max_steps=4", "train.val_every=4")
     plain = run_inprocess([*args, "run_name=plain"])
@@ -180,6 +180,8 @@ def test_qb_lag_probe_measures_without_changing_the_run(corpus, tmp_path):
         assert r["actual"] == pytest.approx(logged[r["step"]])
         assert r["own_fixed"] <= r["own_update"] + 1e-9
     assert len((tmp_path / "lag.jsonl").read_text().splitlines()) == 4
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in probe.summary().splitlines()]
+    assert table[0] == ["steps", *KEYS] and [r[0] for r in table[2:]] == ["1-1", "2-2", "3-3", "4-4"], table
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch):
@@ -408,6 +410,47 @@ def test_activation_memory_budget_needs_a_compiled_model():
         check_config(cfg)
     with pytest.raises(ValueError, match=r"train.activation_memory_budget=0.0 must be > 0"):
         check_config(zero)
+
+
+def test_compile_mode_reaches_torch_compile_and_is_refused_where_it_records_nothing():
+    """train.compile_mode goes to model.compile as torch.compile's mode (default included); reduce-overhead,
+    which records CUDA graphs of inductor's kernels, is refused in one line without a compiled model, with a
+    backend that makes no kernels, and on the CPU (tests/test_messages.py: the command line's message); an
+    unknown mode names the valid ones."""
+    from dataclasses import replace
+
+    from k3lab.config import RunConfig, TrainConfig, TrainerConfig, compile_mode
+    from k3lab.errors import user_message
+    from k3lab.train import compile_model
+
+    class Recorder(torch.nn.Module):
+        def compile(self, **kwargs):
+            self.kwargs = kwargs
+
+    gpu = TrainerConfig(accelerator="gpu")  # not checked: this machine may have no CUDA
+    graphs = RunConfig(trainer=gpu, train=TrainConfig(compile_mode="reduce-overhead"))
+    for run, mode in ((RunConfig(train=TrainConfig(compile=True)), "default"), (graphs, "reduce-overhead")):
+        module = Recorder()
+        compile_model(module, run)
+        assert module.kwargs == {"backend": "inductor", "mode": mode}
+    refused = {
+        "train.compile=false": (replace(graphs, train=replace(graphs.train, compile=False)),
+                                "train.compile_mode=reduce-overhead acts on compiled models only, and train.compile="
+                                "false does not compile on trainer.accelerator=gpu (set train.compile=true)"),
+        "aot_eager": (replace(graphs, train=replace(graphs.train, compile_backend="aot_eager")),
+                      "train.compile_mode=reduce-overhead replays inductor's kernels, and "
+                      "train.compile_backend=aot_eager makes none: drop one of them"),
+        "cpu": (replace(graphs, trainer=TrainerConfig()),
+                "train.compile_mode=reduce-overhead records CUDA graphs, and trainer.accelerator=cpu runs none: drop "
+                "it (or train on a GPU, trainer=gpu)"),
+    }
+    for run, line in refused.values():
+        with pytest.raises(ValueError) as err:
+            compile_mode(run)
+        assert user_message(err.value) == line
+    with pytest.raises(ValueError) as err:
+        TrainConfig(compile_mode="max-autotune").check()
+    assert user_message(err.value).endswith("valid options: default, reduce-overhead")
 
 
 def test_activation_memory_budget_keeps_fewer_activations_and_the_same_gradients(monkeypatch):

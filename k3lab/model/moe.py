@@ -29,12 +29,14 @@ from k3lab.config import BalanceConfig, GLUConfig, ModelConfig, MoEConfig
 from k3lab.distributed import all_reduce_sum, broadcast_from_rank0
 from k3lab.model.ffn import GLU, glu_combine
 from k3lab.model.norm import RMSNorm
-from k3lab.model.router import Router, Routing, build_balancer, expert_load, max_violation, score_entropy
+from k3lab.model.router import (Router, Routing, build_balancer, expert_load, max_violation_tensor,
+                               score_entropy)
 from k3lab.switches import check_option
 from k3lab.model.tags import tag
 from kernels.grouped_glu import grouped_glu, triton_available
 
 DISPATCHES = ("auto", "fused", "grouped", "loop")
+STATS = ("maxvio", "dead_frac", "router_entropy", "bias_norm")  # MoE.stats_tensor, in order
 
 
 def default_expert_hidden(d_model: int, top_k: int, ffn_hidden: int | None = None) -> int:
@@ -302,25 +304,27 @@ class MoE(nn.Module):
         host-to-device copy, which waits for the device's whole queue."""
         return torch.stack([self._entropy_sum, torch.full_like(self._entropy_sum, self._tokens)])
 
-    def _summarise(self, load: torch.Tensor, entropy_tokens: torch.Tensor) -> dict[str, float]:
-        ent, tokens = entropy_tokens.tolist()
-        return {
-            "maxvio": max_violation(load),
-            "dead_frac": float((load == 0).double().mean()),
-            "router_entropy": ent / max(tokens, 1.0),
-            "bias_norm": float(self.router.bias.norm()),
-        }
+    def stats_tensor(self) -> torch.Tensor:
+        """STATS as one fp64 tensor [4], left on the device: maxvio, dead_frac (experts with zero load),
+        router_entropy (mean per-token entropy of the normalised scores, nats) and bias_norm, over this rank's
+        training forwards since the last update_bias(), or, if none, over the step that update_bias() closed
+        (pooled over ranks); the first three NaN where no token was routed. A caller reading several layers
+        stacks them and reads once (k3lab.lit.K3LitModule.router_metrics)."""
+        if self._tokens or self._closed is None:
+            load, entropy_tokens = self._load, self._entropy_tokens()
+        else:
+            load, entropy_tokens = self._closed
+        entropy, tokens = entropy_tokens.unbind()
+        routed = tokens > 0
+        nan = torch.full_like(entropy, float("nan"))
+        return torch.stack([torch.where(routed, max_violation_tensor(load), nan),
+                            torch.where(routed, (load == 0).double().mean(), nan),
+                            torch.where(routed, entropy / tokens.clamp_min(1.0), nan),
+                            self.router.bias.norm().double()])
 
     def stats(self) -> dict[str, float]:
-        """maxvio, dead_frac (experts with zero load), router_entropy (mean per-token entropy of the
-        normalised scores, nats), bias_norm: over this rank's training forwards since the last
-        update_bias(), or, if none, over the step that update_bias() closed (pooled over ranks)."""
-        if self._tokens:
-            return self._summarise(self._load, self._entropy_tokens())
-        if self._closed is not None and self._closed[1][1] > 0:
-            return self._summarise(*self._closed)
-        return {"maxvio": float("nan"), "dead_frac": float("nan"), "router_entropy": float("nan"),
-                "bias_norm": float(self.router.bias.norm())}
+        """`stats_tensor` read to the host, by name."""
+        return dict(zip(STATS, self.stats_tensor().tolist()))
 
     # --- parameter counts -----------------------------------------------------------------------
     def n_params_total(self) -> int:

@@ -103,10 +103,15 @@ def expert_load(idx: torch.Tensor, n: int) -> torch.Tensor:
     return (idx.reshape(-1, 1) == torch.arange(n, device=idx.device)).sum(0)
 
 
-def max_violation(load: torch.Tensor) -> float:
-    """MaxVio = max_j load_j / mean_j load_j - 1 (Wang et al. arXiv:2408.15664)."""
+def max_violation_tensor(load: torch.Tensor) -> torch.Tensor:
+    """MaxVio = max_j load_j / mean_j load_j - 1 (Wang et al. arXiv:2408.15664): 0-dim fp64, on load's device."""
     load = load.double()
-    return float(load.max() / load.mean().clamp_min(1e-12) - 1.0)
+    return load.max() / load.mean().clamp_min(1e-12) - 1.0
+
+
+def max_violation(load: torch.Tensor) -> float:
+    """`max_violation_tensor` read to the host."""
+    return float(max_violation_tensor(load))
 
 
 def score_entropy(scores: torch.Tensor) -> torch.Tensor:
