@@ -96,10 +96,27 @@ class BalanceConfig:
 @dataclass
 class ResidualConfig:
     """standard = PreNorm residual; full_attnres / block_attnres = Attention Residuals
-    (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each)."""
+    (arXiv:2603.15031). block_size counts sublayers (attention and FFN one each). query_lr_scale and
+    query_weight_decay set the AdamW group of the AttnRes parameters, every op's pseudo-query and key-norm
+    gain (docs/attnres.md); 0 for query_lr_scale keeps them at their initial values (uniform mixes)."""
     name: str = K3_DEFAULT["residual"]
     block_size: int = 2
     n_blocks: int = 0            # >0: block_size = ceil(n_sublayers / n_blocks), ~same block count at any depth
+    query_lr_scale: float = 1.0  # AttnRes queries and key-norm gains: AdamW at optim.adam_lr * optim.lr_scale * this
+    query_weight_decay: float = 0.0  # their decoupled weight decay (p *= 1 - lr * wd)
+
+    def check(self) -> "ResidualConfig":
+        """The AttnRes optimizer keys: non-negative, and at their defaults under `standard`, which has no
+        pseudo-queries for them to act on."""
+        for key in ("query_lr_scale", "query_weight_decay"):
+            value = getattr(self, key)
+            if not value >= 0:
+                raise ConfigError(f"residual.{key}={value} must be >= 0")
+            default = ResidualConfig.__dataclass_fields__[key].default
+            if self.name == "standard" and value != default:
+                raise ConfigError(f"residual.{key}={value} acts with residual=block_attnres or full_attnres only "
+                                  f"(residual=standard has no pseudo-queries): leave it at {default}")
+        return self
 
     def sublayers_per_block(self, n_sublayers: int) -> int:
         """Sublayers summed into one AttnRes block: 1 under full_attnres, else block_size, or
@@ -181,6 +198,7 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         for switch in ("decay", "glu", "balance", "residual", "moe", "mixer"):
             check_option(switch, getattr(self, switch).name)
+        self.residual.check()
         check_choice("kernels.backend", self.kernels.backend, KERNEL_BACKENDS)
         check_at_least("model", self, 1, "n_layers", "head_dim")
         if self.kernels.ce_chunk < 0:
