@@ -6,10 +6,14 @@
                                 `residual.diagnostics()` at the last validation; AttnRes: the
                                 mixes' weights, amplitude shares, entropy and query norms)
 
-Comparisons across runs are analysis's job (analysis/plots.py); this module draws one run.
+Comparisons across runs are analysis's job (analysis/plots.py); this module draws one run, and puts the
+depth figures of a few runs side by side from what each wrote at its end:
+
+    python -m k3lab.plots RUN_DIR [RUN_DIR ...] --labels A,B --out DIR
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -159,3 +163,42 @@ def _plot_mix_statistics(runs: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def depth_diagnostics_of(run_dir: Path) -> dict:
+    """The depth diagnostics a run wrote at its end (plots/depth_diagnostics.json: {name: diagnostics}),
+    with the nulls that stand for NaN read back as NaN."""
+    path = Path(run_dir) / "plots" / "depth_diagnostics.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (a run writes it when it completes)")
+
+    def nan(value):
+        if isinstance(value, list):
+            return [nan(v) for v in value]
+        return float("nan") if value is None else value
+
+    (diag,) = json.loads(path.read_text()).values()
+    return {key: value if key == "step" else nan(value) for key, value in diag.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m k3lab.plots",
+                                     description="The depth figures of several runs side by side (overlaid where "
+                                                 "they share axes), from each run's plots/depth_diagnostics.json.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
+    parser.add_argument("--labels", help="comma-separated labels of the runs in the figures (default: their names)")
+    parser.add_argument("--out", required=True, help="folder for the figures")
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [Path(r).name for r in args.runs]
+    if len(labels) != len(args.runs):
+        parser.error(f"--labels names {len(labels)} runs, {len(args.runs)} are given")
+    try:
+        runs = {label: depth_diagnostics_of(Path(r)) for label, r in zip(labels, args.runs)}
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    for path in plot_depth_diagnostics(runs, args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,8 @@ from k3lab.model.attnres import (AttnResidual, block_softmax_mix, depth_softmax_
                                  inv_rms, merge_partial)
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import LOW_ENTROPY, SATURATED_WEIGHT, StandardResidual, attnres_saturation, build_residual
-from k3lab.plots import plot_depth_diagnostics
+from k3lab.plots import depth_diagnostics_of, plot_depth_diagnostics
+from k3lab.plots import main as plots_main
 
 D, EPS = 16, 1e-6
 
@@ -486,6 +487,20 @@ def test_plot_depth_diagnostics(tmp_path):
                                               "depth_weights.png"]
     alone = plot_depth_diagnostics(diags["standard"], tmp_path / "standard")  # no mixes: no mix figures
     assert sorted(p.name for p in alone) == ["depth_diagnostics.json", "depth_rms.png"]
+
+    # several runs side by side, from what each wrote at its end (NaN where an op sees no source, round trip)
+    for name in ("block_attnres", "full_attnres"):
+        plot_depth_diagnostics(diags[name], tmp_path / name / "plots")
+    back = depth_diagnostics_of(tmp_path / "full_attnres")
+    np.testing.assert_array_equal(np.asarray(back["depth_shares"], float),
+                                  np.asarray(diags["full_attnres"]["depth_shares"], float))
+    assert math.isnan(back["entropy"][0]) and back["step"] == 10
+    plots_main([str(tmp_path / "block_attnres"), str(tmp_path / "full_attnres"), "--labels", "block,full",
+                "--out", str(tmp_path / "both")])
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == [
+        "depth_diagnostics.json", "depth_mix.png", "depth_rms.png", "depth_weights_block.png", "depth_weights_full.png"]
+    with pytest.raises(SystemExit):
+        plots_main([str(tmp_path / "standard_missing"), "--out", str(tmp_path / "none")])
 
 
 @pytest.mark.parametrize("name,block_size", [("full_attnres", 1), ("block_attnres", 3)])
