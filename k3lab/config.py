@@ -46,6 +46,7 @@ COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode: torch.comp
 MUON_OPTIONS = ("muon_per_head", "muon")
 LATENT_MOE = ("latent_norm", "latent")
 ROUTED_MOE = ("latent_norm", "latent", "standard")
+ATTNRES = ("block_attnres", "full_attnres")  # the residual options with pseudo-queries
 SCHEMA_NAME = "k3lab_schema"  # the ConfigStore entry conf/config.yaml starts from
 PROBE_OPTIONS = ("none", "recall")  # probes.name (k3lab/probes.py)
 CPU_PROBE_LENGTHS = (256, 1024)
@@ -159,10 +160,15 @@ class ResidualConfig:
     """standard = PreNorm residual; full_attnres / block_attnres = Attention Residuals (arXiv:2603.15031).
     block_size counts sublayers (attention and FFN one each), as in the paper: K3's 12 decoder layers per
     block are block_size 24 here; the tiny default's 4 layers make 4 blocks of one layer at block_size 2.
-    For a ladder set n_blocks instead (the paper recommends about 8): block_size = ceil(2 n_layers / n_blocks)."""
+    For a ladder set n_blocks instead (the paper recommends about 8): block_size = ceil(2 n_layers / n_blocks).
+    query_lr_scale and query_weight_decay set the AdamW group of the AttnRes parameters, every op's
+    pseudo-query and key-norm gain (docs/attnres.md); query_lr_scale 0 keeps them at their initial values
+    (uniform mixes)."""
     name: str = K3_DEFAULT["residual"]
     block_size: int = setting(2, ge=1, only=("block_attnres",))
     n_blocks: int = setting(0, ge=0, only=("block_attnres",))  # >0: block_size = ceil(n_sublayers / n_blocks)
+    query_lr_scale: float = setting(1.0, ge=0, only=ATTNRES)  # their AdamW rate: optim.adam_lr * optim.lr_scale * this
+    query_weight_decay: float = setting(0.0, ge=0, only=ATTNRES)  # their decoupled weight decay (p *= 1 - lr * wd)
 
     def sublayers_per_block(self, n_sublayers: int) -> int:
         """Sublayers summed into one AttnRes block: 1 under full_attnres, else block_size, or

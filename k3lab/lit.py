@@ -42,6 +42,8 @@ from k3lab.model.moe import STATS, MoE
 from k3lab.optim import lightning_optimizers
 from k3lab.parallel import is_sharded, shard_model
 
+# the optimizer groups every model has (k3lab/optim/build.py), logged as optim/lr and optim/lr_adamw
+CORE_GROUPS = ("muon", "adamw", "adamw_no_decay")
 # dense bf16 peak FLOP/s by device-name fragment, for MFU
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
 
@@ -110,13 +112,26 @@ def clip_grad_norm(params, max_norm: float, optimizer: torch.optim.Optimizer | N
 
 
 def depth_metrics(diag: dict, prefix: str = "depth") -> dict[str, float]:
-    """Flat scalars for metrics.jsonl: {prefix}/output_rms/{i:02d}, {prefix}/input_rms/{i:02d},
-    {prefix}/final_rms and, for AttnRes, {prefix}/emb_weight/{op:02d} (mean weight on the embedding)."""
+    """Flat scalars for metrics.jsonl from one `residual.diagnostics()`: {prefix}/output_rms/{i:02d},
+    {prefix}/input_rms/{i:02d}, {prefix}/final_rms and, for AttnRes, per op (op i forms the input of
+    sublayer i, the last op the final norm's): {prefix}/query_norm/{op:02d}; {prefix}/weight/{op:02d}/{source}
+    and {prefix}/share/{op:02d}/{source}, the mean weight and amplitude share of each source the op sees
+    (source: a column label, emb, block1, ... or L0.mix, ...); for ops over >= 2 sources
+    {prefix}/entropy/{op:02d} (normalised, 1 = uniform) and {prefix}/max_weight/{op:02d}."""
     out = {f"{prefix}/final_rms": diag["final_rms"]}
     for key in ("output_rms", "input_rms"):
         out.update({f"{prefix}/{key}/{i:02d}": v for i, v in enumerate(diag[key])})
-    for op, row in enumerate(diag.get("depth_weights") or []):
-        out[f"{prefix}/emb_weight/{op:02d}"] = row[0]
+    rows = zip(diag.get("depth_weights") or [], diag.get("depth_shares") or [], diag.get("entropy", []),
+               diag.get("max_weight", []), diag.get("query_norm", []))
+    for op, (weights, shares, entropy, max_weight, query_norm) in enumerate(rows):
+        out[f"{prefix}/query_norm/{op:02d}"] = query_norm
+        for source, weight, share in zip(diag["column_labels"], weights, shares):
+            if not math.isnan(weight):
+                out[f"{prefix}/weight/{op:02d}/{source}"] = weight
+                out[f"{prefix}/share/{op:02d}/{source}"] = share
+        if not math.isnan(entropy):
+            out[f"{prefix}/entropy/{op:02d}"] = entropy
+            out[f"{prefix}/max_weight/{op:02d}"] = max_weight
     return out
 
 
@@ -212,6 +227,8 @@ class K3LitModule(L.LightningModule):
             "loss/train": self.last_train_loss,  # the global batch: mean over every rank's steps since the last log
             "optim/lr": groups.get("muon", groups.get("adamw")),
             "optim/lr_adamw": groups.get("adamw", groups.get("adamw_no_decay")),
+            # groups a layer asked for (the `adamw_group` tag), e.g. optim/lr_attnres
+            **{f"optim/lr_{name}": lr for name, lr in groups.items() if name not in CORE_GROUPS},
             "optim/grad_norm": self._grad_norm,
             "speed/tokens_per_s": tokens_per_s,
             **self.router_metrics(),
@@ -259,7 +276,7 @@ class K3LitModule(L.LightningModule):
         self._val_totals = None
         loss_sum, correct, count = self.trainer.strategy.reduce(totals, reduce_op="sum").tolist()
         self.model.residual.record = False
-        self.last_depth = self.model.residual.diagnostics()
+        self.last_depth = {**self.model.residual.diagnostics(), "step": self.global_step}
         if count == 0 or self.trainer.sanity_checking:
             return
         self.last_val = {"loss/val": loss_sum / count, "acc/val": correct / count}

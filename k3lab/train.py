@@ -46,6 +46,7 @@ from k3lab.errors import ConfigError, reading_data
 from k3lab.flops import flops_per_token
 from k3lab.lit import K3LitModule, TrainMetrics
 from k3lab.model import K3Model
+from k3lab.model.residual import attnres_saturation
 from k3lab.parallel import JobProcesses, build_strategy, n_processes
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
 from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
@@ -150,6 +151,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     close_loggers(loggers, failed=False)
     job.end()
     summary.finish("completed", **final_fields(run_dir, **known),
+                   attnres_saturation=attnres_saturation(module.last_depth) if module.last_depth else None,
                    **device_sharing(load_start, torch.get_num_threads()))
     write_metrics_csv(run_dir)
     write_run_plots(run_dir)

@@ -17,8 +17,9 @@ from k3lab.model import attnres as attnres_module
 from k3lab.model.attnres import (AttnResidual, block_softmax_mix, depth_softmax_mix, depth_softmax_mix_autograd,
                                  inv_rms, merge_partial)
 from k3lab.model.norm import RMSNorm
-from k3lab.model.residual import StandardResidual, build_residual
-from k3lab.plots import plot_depth_diagnostics
+from k3lab.model.residual import LOW_ENTROPY, SATURATED_WEIGHT, StandardResidual, attnres_saturation, build_residual
+from k3lab.plots import depth_diagnostics_of, plot_depth_diagnostics
+from k3lab.plots import main as plots_main
 
 D, EPS = 16, 1e-6
 
@@ -471,34 +472,223 @@ def test_config_errors():
 def test_plot_depth_diagnostics(tmp_path):
     n, stack, emb = 8, toy_stack(8).double(), emb_input()
     diags = {}
-    for name in ("standard", "block_attnres"):
+    for name in ("standard", "block_attnres", "full_attnres"):
         res = make(name, n, block_size=2, randomise=name != "standard")
         res.record = True
         run(res, stack, emb)
-        diags[name] = res.diagnostics()
+        diags[name] = {**res.diagnostics(), "step": 10}
     written = plot_depth_diagnostics(diags, tmp_path, tag="_step10")
     names = sorted(p.name for p in written)
-    assert names == ["depth_diagnostics_step10.json", "depth_rms_step10.png",
-                     "depth_weights_step10_block_attnres.png"]
+    assert names == ["depth_diagnostics_step10.json", "depth_mix_step10.png", "depth_rms_step10.png",
+                     "depth_weights_step10_block_attnres.png", "depth_weights_step10_full_attnres.png"]
     assert all(p.stat().st_size > 1000 for p in written if p.suffix == ".png")
     single = plot_depth_diagnostics(diags["block_attnres"], tmp_path / "one")
-    assert sorted(p.name for p in single) == ["depth_diagnostics.json", "depth_rms.png", "depth_weights.png"]
+    assert sorted(p.name for p in single) == ["depth_diagnostics.json", "depth_mix.png", "depth_rms.png",
+                                              "depth_weights.png"]
+    alone = plot_depth_diagnostics(diags["standard"], tmp_path / "standard")  # no mixes: no mix figures
+    assert sorted(p.name for p in alone) == ["depth_diagnostics.json", "depth_rms.png"]
+
+    # several runs side by side, from what each wrote at its end (NaN where an op sees no source, round trip)
+    for name in ("block_attnres", "full_attnres"):
+        plot_depth_diagnostics(diags[name], tmp_path / name / "plots")
+    back = depth_diagnostics_of(tmp_path / "full_attnres")
+    np.testing.assert_array_equal(np.asarray(back["depth_shares"], float),
+                                  np.asarray(diags["full_attnres"]["depth_shares"], float))
+    assert math.isnan(back["entropy"][0]) and back["step"] == 10
+    plots_main([str(tmp_path / "block_attnres"), str(tmp_path / "full_attnres"), "--labels", "block,full",
+                "--out", str(tmp_path / "both")])
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == [
+        "depth_diagnostics.json", "depth_mix.png", "depth_rms.png", "depth_weights_block.png", "depth_weights_full.png"]
+    with pytest.raises(SystemExit):
+        plots_main([str(tmp_path / "standard_missing"), "--out", str(tmp_path / "none")])
+
+
+@pytest.mark.parametrize("name,block_size", [("full_attnres", 1), ("block_attnres", 3)])
+def test_recorded_mix_statistics_are_those_of_the_papers_mix(name, block_size):
+    """Per op, the recorded weight, amplitude share, normalised entropy and largest weight are the token
+    means of those of the stacked reference softmax over the paper's sources, over two forwards; the
+    pseudo-query norms are the parameters'; depth_metrics and attnres_saturation report them."""
+    n = 7
+    res = make(name, n, block_size, randomise=True)
+    stack = toy_stack(n).double()
+    embs = [emb_input(seed) for seed in (0, 1)]
+    res.record = True
+    per_forward = []
+    for emb in embs:
+        reads, outs, _ = run(res, stack, emb)
+        per_forward.append([paper_sources(emb, outs, op, res.block_size) for op in range(n + 1)])
+    diag = res.diagnostics()
+    for op in range(n + 1):
+        q, g = res.queries[op], res.norms[op].weight
+        stats = []
+        for sources in (forward[op] for forward in per_forward):
+            V = torch.stack(sources)                                                # [S, B, T, D]
+            rms = torch.sqrt(V.pow(2).mean(-1) + EPS)                               # [S, B, T]
+            alpha = torch.einsum("d,sbtd->sbt", q * g, V / rms.unsqueeze(-1)).softmax(0)
+            amplitude = alpha * rms
+            S = len(sources)
+            entropy = -(alpha * alpha.log()).sum(0) / math.log(S) if S > 1 else torch.tensor(math.nan)
+            stats.append((alpha.mean((1, 2)), (amplitude / amplitude.sum(0)).mean((1, 2)), entropy.mean(),
+                          alpha.max(0).values.mean()))
+        weight, share, entropy, max_weight = (sum(x) / 2 for x in zip(*stats))
+        cols = res.source_columns(op)
+        # float64 inputs, statistics accumulated in fp32 (the recorder's dtype): a few fp32 ulps
+        assert [diag["depth_weights"][op][c] for c in cols] == pytest.approx(weight.tolist(), rel=1e-6, abs=1e-7)
+        assert [diag["depth_shares"][op][c] for c in cols] == pytest.approx(share.tolist(), rel=1e-6, abs=1e-7)
+        assert all(math.isnan(v) for c, v in enumerate(diag["depth_shares"][op]) if c not in cols)
+        if len(cols) == 1:
+            assert math.isnan(diag["entropy"][op]) and diag["max_weight"][op] == 1.0
+        else:
+            assert diag["entropy"][op] == pytest.approx(entropy.item(), rel=1e-6, abs=1e-7)
+            assert diag["max_weight"][op] == pytest.approx(max_weight.item(), rel=1e-6)
+        assert diag["query_norm"][op] == pytest.approx(q.norm().item(), rel=1e-6)
+    # the weights are far from uniform, and the sources' RMS differ: share and weight are not the same thing
+    w, a = np.asarray(diag["depth_weights"], float), np.asarray(diag["depth_shares"], float)
+    assert np.nanmax(np.abs(w - a)) > 0.05 and np.nanmin(diag["entropy"]) < 0.9
+
+    metrics = depth_metrics(diag)
+    labels = diag["column_labels"]
+    assert metrics["depth/weight/00/emb"] == 1.0 and "depth/entropy/00" not in metrics  # op 0: the embedding alone
+    assert metrics[f"depth/share/{n:02d}/{labels[-1]}"] == diag["depth_shares"][n][-1]
+    assert metrics["depth/query_norm/03"] == diag["query_norm"][3]
+    assert metrics["depth/max_weight/01"] == diag["max_weight"][1]
+    summary = attnres_saturation({**diag, "step": 7})
+    mixing = [op for op in range(n + 1) if len(res.source_columns(op)) > 1]
+    assert summary["ops"] == len(mixing) and summary["step"] == 7
+    assert summary["entropy_mean"] == pytest.approx(np.mean([diag["entropy"][op] for op in mixing]))
+    assert summary["saturated_ops"] == sum(diag["max_weight"][op] >= SATURATED_WEIGHT for op in mixing)
+    assert summary["low_entropy_ops"] == sum(diag["entropy"][op] < LOW_ENTROPY for op in mixing)
+    assert summary["query_norm_max"] == max(diag["query_norm"])
+
+
+def test_saturation_summary_counts_one_hot_mixes():
+    """Queries that put (nearly) all the weight on one source make an op saturated and low in entropy;
+    zero queries (uniform mixes) make none; a standard residual has no summary."""
+    n = 6
+    res = make("block_attnres", n, block_size=2)
+    stack, emb = toy_stack(n).double(), emb_input()
+    res.record = True
+    run(res, stack, emb)
+    uniform = attnres_saturation(res.diagnostics())
+    assert uniform["saturated_ops"] == 0 and uniform["low_entropy_ops"] == 0
+    assert uniform["entropy_mean"] == pytest.approx(1.0) and uniform["query_norm_max"] == 0.0
+    with torch.no_grad():  # op 3 sees [emb, b1, partial]: a query along the embedding's direction, scaled up
+        res.queries[3].copy_(emb.mean((0, 1)) / emb.mean((0, 1)).norm() * 1e3)
+    run(res, stack, emb)
+    peaked = res.diagnostics()
+    summary = attnres_saturation(peaked)
+    assert peaked["max_weight"][3] > SATURATED_WEIGHT and peaked["entropy"][3] < LOW_ENTROPY
+    assert summary["saturated_ops"] >= 1 and summary["low_entropy_ops"] >= 1
+    res_std = make("standard", n)
+    res_std.record = True
+    run(res_std, stack, emb)
+    assert attnres_saturation(res_std.diagnostics()) is None
+
+
+def small_model(residual: str, dtype=torch.float32, **residual_keys):
+    """A 2-layer K3Model (the K3 default's mixers and MoE) with this residual; parameters named as in any
+    other residual's model (K3Model.init_weights seeds each by its name), so their values agree too."""
+    from k3lab.config import ModelConfig
+    from k3lab.model.k3 import K3Model
+
+    cfg = ModelConfig(n_layers=2, d_model=64, head_dim=32, vocab_size=97, norm_eps=1e-30,
+                      residual=ResidualConfig(name=residual, **residual_keys))
+    return K3Model(cfg).to(dtype)
 
 
 @pytest.mark.parametrize("optim", ["muon_per_head", "muon", "adamw"])
-def test_attnres_params_go_to_adamw_under_every_optim(optim):
-    """The harness's grouping rule puts every pseudo-query and AttnRes norm gain in an AdamW group
-    (no weight decay: 1-D), never in Muon."""
+def test_attnres_params_get_their_own_adamw_group(optim):
+    """Under every optim, residual.query_lr_scale and residual.query_weight_decay reach exactly the AttnRes
+    parameters (every op's pseudo-query and key-norm gain), in an AdamW group of their own at
+    adam_lr * lr_scale * query_lr_scale; every other parameter keeps the group, rate and decay it has in
+    the standard residual's model."""
     from k3lab.config import OptimConfig
     from k3lab.optim.build import param_groups
 
-    model = nn.Module()
-    model.hidden = nn.Linear(D, D, bias=False)  # a hidden matrix, so the Muon group is not empty
-    model.residual = build_residual(ResidualConfig(name="block_attnres", block_size=2), 8, D, EPS)
-    groups = param_groups(model, OptimConfig(name=optim))
-    group_of = {id(p): g["name"] for g in groups for p in g["params"]}
-    assert all(group_of[id(p)] == "adamw_no_decay" for p in model.residual.parameters())
-    assert group_of[id(model.hidden.weight)] == ("adamw" if optim == "adamw" else "muon")
+    cfg = OptimConfig(name=optim, lr_scale=0.5)
+    setting = lambda model: {name: (g["name"], g["lr"], g["weight_decay"], g["use_muon"])  # noqa: E731
+                             for g in param_groups(model, cfg)
+                             for name, p in model.named_parameters() if any(p is q for q in g["params"])}
+    standard = setting(small_model("standard"))
+    for name in ("block_attnres", "full_attnres"):
+        model = small_model(name, query_lr_scale=0.3, query_weight_decay=0.05)
+        got = setting(model)
+        assert set(got) == set(dict(model.named_parameters()))  # every parameter in exactly one group
+        attnres = {k for k in got if k.startswith("residual.")}
+        assert len(attnres) == 2 * len(model.residual.queries)
+        assert all(got[k] == ("attnres", cfg.adam_lr * 0.5 * 0.3, 0.05, False) for k in attnres)
+        assert {k: v for k, v in got.items() if k not in attnres} == standard
+        groups = param_groups(model, cfg)
+        assert [g["name"] for g in groups if g["name"] == "attnres"] == ["attnres"]  # one group, only them
+        assert {id(p) for g in groups if g["name"] == "attnres" for p in g["params"]} == \
+            {id(p) for p in model.residual.parameters()}
+
+
+@pytest.mark.parametrize("optim", ["muon_per_head", "adamw"])
+def test_a_zero_query_rate_keeps_the_mixes_uniform(optim):
+    """residual.query_lr_scale=0 freezes the AttnRes parameters exactly, weight decay included (AdamW at lr 0
+    multiplies by 1 - 0 * wd = 1 and adds 0 * the update), through the warm-up and cosine schedule, while
+    the other parameters train."""
+    from k3lab.config import OptimConfig
+    from k3lab.optim.build import build_optimizer
+
+    torch.manual_seed(0)
+    model = small_model("block_attnres", query_lr_scale=0.0, query_weight_decay=0.1)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt, sched = build_optimizer(model, OptimConfig(name=optim, warmup_steps=2), total_steps=5)
+    assert [g["lr"] for g in opt.param_groups if g["name"] == "attnres"] == [0.0]
+    for _ in range(5):
+        tokens = torch.randint(0, 97, (2, 17))
+        model(tokens[:, :-1], tokens[:, 1:]).mean.backward()
+        assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in model.residual.queries[1:])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    for k, p in model.named_parameters():
+        if k.startswith("residual."):
+            assert torch.equal(p, before[k]), k
+    assert all(torch.count_nonzero(q) == 0 for q in model.residual.queries)
+    assert not torch.equal(model.embed.weight, before["embed.weight"])
+
+
+@pytest.mark.parametrize("name", ["block_attnres", "full_attnres"])
+def test_zero_queries_give_the_standard_residuals_logits(name):
+    """Zero pseudo-queries make every mix the mean of its sources, the standard residual's sum over the
+    number of sources; every reader of the stream (each sublayer's PreNorm, the final norm) removes that
+    scale, so the K3 model's logits are the standard residual's. float64 with the norms' eps at 1e-30, so
+    that x and x / S normalise to the same values up to rounding: a few float64 ulps per sublayer; the
+    logits come back in fp32 (K3Model.forward), so fp32 rounding bounds the comparison."""
+    attnres, standard = small_model(name, torch.float64), small_model("standard", torch.float64)
+    loaded = standard.load_state_dict(attnres.state_dict(), strict=False)
+    assert not loaded.missing_keys and all(k.startswith("residual.") for k in loaded.unexpected_keys)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = standard(tokens)
+    torch.testing.assert_close(attnres(tokens), want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # learned queries: the logits move away from the standard residual's
+        for q in attnres.residual.queries:
+            q.normal_(0, 1, generator=torch.Generator().manual_seed(1))
+    assert (attnres(tokens) - want).abs().max() > 1e-2
+
+
+def test_query_keys_are_refused_where_they_do_nothing():
+    """Under residual=standard (no pseudo-queries) query_lr_scale or query_weight_decay set on the command
+    line fails with one ConfigError line naming the key, as does a negative value anywhere; under AttnRes
+    both are read."""
+    from k3lab.config import check_config
+    from k3lab.errors import ConfigError
+    from benchmarks.step import compose_config as compose
+
+    def check(overrides):
+        return check_config(compose(overrides), overrides)
+
+    for key in ("query_lr_scale", "query_weight_decay"):
+        with pytest.raises(ConfigError, match=rf"residual.{key}=0.5 acts with residual=block_attnres/full_attnres "
+                                              rf"only: residual=standard does not read it; drop it"):
+            check(["residual=standard", f"residual.{key}=0.5"])
+        with pytest.raises(ConfigError, match=rf"residual.{key}=-1.0 must be >= 0"):
+            check(["residual=full_attnres", f"residual.{key}=-1"])
+    run = check(["residual=full_attnres", "residual.query_lr_scale=0", "residual.query_weight_decay=0.1"])
+    assert (run.residual.query_lr_scale, run.residual.query_weight_decay) == (0, 0.1)
 
 
 @pytest.mark.parametrize("name", ["block_attnres", "full_attnres"])

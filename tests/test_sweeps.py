@@ -81,7 +81,8 @@ def test_tuning_sweeps_run_a_grid_per_option_on_tuning_seeds(name):
     jobs = sweep_jobs(name)
     cfgs = [compose_job(job) for job in jobs]
     assert all(c.seed >= TUNE_SEED_MIN for c in cfgs)
-    tuned = [k for k in ("optim.lr", "optim.adam_lr", "balance.gamma", "balance.aux_coef")
+    tuned = [k for k in ("optim.lr", "optim.adam_lr", "optim.lr_scale", "balance.gamma", "balance.aux_coef",
+                         "residual.query_lr_scale")
              if len({str(OmegaConf.select(c, k)) for c in cfgs}) >= 3]
     assert tuned, f"{name} varies no learning rate or balancing step over >= 3 values"
     assert len({tuple(sorted(job)) for job in jobs}) == len(jobs)
@@ -102,6 +103,20 @@ def test_optim_grids_give_every_optimizer_its_own_rates():
     assert {c.moe.name for c in moe} == {"latent_norm", "latent", "standard", "dense", "dense_matched"}
     for option in {c.moe.name for c in moe}:
         assert len({(c.optim.lr, c.optim.adam_lr) for c in moe if c.moe.name == option}) == 9, option
+
+
+def test_residual_grids_give_attnres_its_query_rate_and_the_standard_residual_its_rate():
+    """AttnRes (block and full) gets the pseudo-query rate grid, 0 (frozen) to 1, at the run's rate; the
+    standard residual, which has no queries, the optim.lr_scale grid; one folder for both."""
+    attnres = [compose_job(j) for j in sweep_jobs("tune_residual")]
+    standard = [compose_job(j) for j in sweep_jobs("tune_residual_standard")]
+    for name in ("block_attnres", "full_attnres"):
+        assert sorted(c.residual.query_lr_scale for c in attnres if c.residual.name == name) == [0, 0.03, 0.1, 0.3, 1]
+    assert {c.optim.lr_scale for c in attnres} == {1.0}
+    assert {c.residual.name for c in standard} == {"standard"}
+    assert {(c.residual.query_lr_scale, c.residual.query_weight_decay) for c in standard} == {(1.0, 0.0)}  # unread
+    assert sorted(c.optim.lr_scale for c in standard) == [0.5, 1, 2]
+    assert {c.group for c in attnres + standard} == {"tune_residual"}
 
 
 def test_reported_seeds_at_the_chosen_rate_are_three_jobs():

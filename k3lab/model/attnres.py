@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from k3lab.config import ResidualConfig
 from k3lab.model.norm import RMSNorm
 from k3lab.model.residual import DepthRecorder, sublayer_label
+from k3lab.model.tags import AdamWGroup, tag
 
 
 class _InvRMS(torch.autograd.Function):
@@ -329,7 +331,8 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     n_sublayers AttnRes ops (op i forms the input of sublayer i) plus op n_sublayers, the final
     aggregation that `end` returns. Parameters: queries[i] [D] (zeros) and norms[i].weight [D] (ones),
-    all 1-D, so the optimizer's grouping rule sends them to AdamW. two_phase (kernels.attnres_two_phase):
+    tagged `adamw_group` "attnres" (k3lab/model/tags.py): AdamW under every `optim`, at the AdamW rate times
+    residual.query_lr_scale, with weight decay residual.query_weight_decay. two_phase (kernels.attnres_two_phase):
     each block's ops mix their completed sources together when the block opens (`block_softmax_mix`,
     in `begin` and in the `write` that completes a block) and merge their partial sums one by one
     (`merge_partial`, with the rows of phase 1's stacked queries); the depth recording (`record`) takes the
@@ -353,6 +356,10 @@ class AttnResidual(DepthRecorder, nn.Module):
         n_ops = n_sublayers + 1
         self.queries = nn.ParameterList([nn.Parameter(torch.zeros(d_model)) for _ in range(n_ops)])
         self.norms = nn.ModuleList([RMSNorm(d_model, eps) for _ in range(n_ops)])
+        group = AdamWGroup("attnres", cfg.query_lr_scale, cfg.query_weight_decay)
+        for op in range(n_ops):
+            tag(self.queries, str(op), adamw_group=group)
+            tag(self.norms[op], "weight", adamw_group=group)
         self.n_blocks = math.ceil(n_sublayers / block_size)
         self.init_recorder()
 
@@ -410,7 +417,7 @@ class AttnResidual(DepthRecorder, nn.Module):
         values, scales = self.op_inputs(state)
         h, alpha = self.mix(values, scales, self.query(op))
         if self.record:
-            self.record_weights(op, self.source_columns(op), alpha)
+            self.record_weights(op, self.source_columns(op), alpha, torch.cat(scales, -1).movedim(-1, 0))
         return h
 
     def read(self, state: DepthState, sublayer: int) -> torch.Tensor:
@@ -436,6 +443,13 @@ class AttnResidual(DepthRecorder, nn.Module):
 
     def op_label(self, op: int) -> str:
         return "final" if op == self.n_sublayers else sublayer_label(op)
+
+    @torch.no_grad()
+    def query_norms(self) -> list[float]:
+        """||w_op||_2 of each op's pseudo-query (the key-norm gain left out), op order. Under FSDP2 the
+        queries are shards, gathered here (a collective: every rank calls this, as at validation's end)."""
+        full = [q.detach().full_tensor() if isinstance(q, DTensor) else q.detach() for q in self.queries]
+        return torch.stack([q.float().norm() for q in full]).tolist()
 
     def extra_repr(self) -> str:
         phases = ", two-phase" if self.two_phase else ""

@@ -6,6 +6,7 @@
 | `output_proj` | True | weights that write into the residual stream (mixer and FFN outputs, expert `w3`, the latent `up`) | `K3Model.init_weights`: std scaled by 1/sqrt(2 n_layers) (GPT-2) |
 | `init` | fn(param, generator) -> tensor | KDA's `A_log` and `dt_bias`, the router weight | `K3Model.init_weights`: draws the value instead of the default rule |
 | `no_muon` | True | nothing in K3 (an escape hatch for a new layer) | k3lab/optim/build.py: AdamW even for a 2-D matrix |
+| `adamw_group` | AdamWGroup(name, lr_scale, weight_decay) | AttnRes pseudo-queries and key-norm gains (`residual.query_lr_scale`, `residual.query_weight_decay`) | k3lab/optim/build.py: an AdamW group of that name, rate optim.adam_lr * optim.lr_scale * lr_scale, that weight decay, under every `optim` |
 
 Tags live on the module that owns the parameter, in a dict keyed by the parameter's local name, not
 as attributes of the tensor: `copy.deepcopy`, `load_state_dict`, `.to()` and FSDP2's `fully_shard`
@@ -16,9 +17,20 @@ replace or wrap parameter tensors but keep their modules, so the tags survive al
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-TAGS = ("head_blocks", "output_proj", "init", "no_muon")
+TAGS = ("head_blocks", "output_proj", "init", "no_muon", "adamw_group")
+
+
+@dataclass(frozen=True)
+class AdamWGroup:
+    """The value of the `adamw_group` tag: the parameter trains in the AdamW group `name`, at the run's AdamW
+    rate (optim.adam_lr * optim.lr_scale) times `lr_scale`, with decoupled weight decay `weight_decay`."""
+    name: str
+    lr_scale: float
+    weight_decay: float
 
 
 def tag(module: nn.Module, param_name: str, **tags) -> None:

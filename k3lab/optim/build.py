@@ -12,7 +12,9 @@ Options (`optim.name`):
 - muon: the same, whole-matrix Newton-Schulz everywhere (`head_blocks` ignored).
 - adamw: AdamW on everything at `adam_lr` (hidden matrices join the decayed AdamW group).
 All three use the same AdamW arithmetic for the tensors `split_params` sends to AdamW, so an option
-changes only how the hidden matrices are updated.
+changes only how the hidden matrices are updated. A layer may give some of its parameters an AdamW group
+of their own (the `adamw_group` tag: AttnRes's pseudo-queries and key-norm gains, with
+`residual.query_lr_scale` and `residual.query_weight_decay`); it is the same under every option.
 
 Gradient clipping (`optim.grad_clip`) is the LightningModule's: K3LitModule.configure_gradient_clipping
 takes the norm of the DDP-averaged gradients before `step` and hands the factor to `Muon.scale_grads`.
@@ -26,7 +28,7 @@ from torch import nn
 
 from k3lab.config import OptimConfig
 from k3lab.switches import check_option
-from k3lab.model.tags import tags_by_param
+from k3lab.model.tags import AdamWGroup, tags_by_param
 from k3lab.optim.muon import Muon
 
 ADAMW_MODULE_NAMES = ("embed", "lm_head")
@@ -41,7 +43,8 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
          (at any depth, so a wrapper such as a LightningModule holding `model` is fine), or
       3. it belongs to a convolution (the short depthwise convs: [C, 1, k] kernels are per-channel
          filters, not matrices), or
-      4. it is tagged `no_muon` (k3lab/model/tags.py: an escape hatch a layer can set on any tensor).
+      4. it is tagged `no_muon` (k3lab/model/tags.py: an escape hatch a layer can set on any tensor), or
+         `adamw_group` (an AdamW group of its own, see `param_groups`).
     Muon takes every other parameter: 2-D hidden weights and 3-D stacked expert weights [E, out, in].
 
     Tied weights are listed once (under their first name). Frozen parameters are left out. The two
@@ -65,6 +68,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
             or mod_name.rsplit(".", 1)[-1] in ADAMW_MODULE_NAMES
             or isinstance(mod, nn.modules.conv._ConvNd)
             or tags.get(id(p), {}).get("no_muon", False)
+            or "adamw_group" in tags.get(id(p), {})
         )
         (adamw if to_adamw else muon).append(p)
     return muon, adamw
@@ -73,20 +77,35 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Param groups for `Muon`: a Muon group (absent under adamw), AdamW with weight decay for
     tensors of >= 2 dims (embedding, head; plus all hidden matrices under adamw), AdamW without
-    weight decay for 1-D tensors. Empty groups are dropped; each group has a `name` for logging."""
+    weight decay for 1-D tensors, and one AdamW group per `adamw_group` tag (k3lab/model/tags.py:
+    the AttnRes parameters), named by the tag, at the AdamW rate times its lr_scale and with its weight
+    decay. Empty groups are dropped; each group has a `name` for logging (`optim/lr_<name>`)."""
     check_option("optim", cfg.name)
     muon, adamw = split_params(model)
     if cfg.name == "adamw":
         muon, adamw = [], muon + adamw
     tags = tags_by_param(model)
-    common_adam = dict(use_muon=False, lr=cfg.adam_lr * cfg.lr_scale, betas=tuple(cfg.betas), eps=cfg.eps)
+    adam_lr = cfg.adam_lr * cfg.lr_scale
+    common_adam = dict(use_muon=False, betas=tuple(cfg.betas), eps=cfg.eps)
+    own: dict[str, AdamWGroup] = {}  # name -> the tag of the parameters of that group
+    for p in adamw:
+        spec = tags.get(id(p), {}).get("adamw_group")
+        if spec is not None and own.setdefault(spec.name, spec) != spec:
+            raise ValueError(f"two adamw_group tags named {spec.name!r} differ: {own[spec.name]} and {spec}")
+    grouped = {id(p) for p in adamw if "adamw_group" in tags.get(id(p), {})}
+    plain = [p for p in adamw if id(p) not in grouped]
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr * cfg.lr_scale, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
              ns_method=cfg.ns_method, per_head=cfg.name == "muon_per_head",
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
-        dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
-        dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
+        dict(name="adamw", params=[p for p in plain if p.ndim >= 2], lr=adam_lr, weight_decay=cfg.weight_decay,
+             **common_adam),
+        dict(name="adamw_no_decay", params=[p for p in plain if p.ndim < 2], lr=adam_lr, weight_decay=0.0,
+             **common_adam),
+        *(dict(name=name, params=[p for p in adamw if tags.get(id(p), {}).get("adamw_group") == spec],
+               lr=adam_lr * spec.lr_scale, weight_decay=spec.weight_decay, **common_adam)
+          for name, spec in own.items()),
     ]
     return [g for g in groups if g["params"]]
 
