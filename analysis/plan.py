@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.stats import ALPHA, POWER
+from analysis.stats import ALPHA, POWER, paired_power
 from analysis.tables import markdown_table
 
 VAL_TOKENS = (65_536, 262_144, 1_048_576, 4_194_304)
@@ -56,18 +56,6 @@ VAL_TOKENS = (65_536, 262_144, 1_048_576, 4_194_304)
 # --------------------------------------------------------------------------------------------------
 # Seeds
 # --------------------------------------------------------------------------------------------------
-
-def paired_power(effect_size: float, n, alpha: float) -> np.ndarray:
-    """Power of the two-sided one-sample (paired) t-test on n differences (scalar or array) at `alpha` for a
-    true mean of effect_size standard deviations: with c = t_{1-alpha/2, n-1} and the noncentrality
-    nc = d sqrt(n), P(T > c) + P(T < -c) for T noncentral t (statsmodels' TTestPower.power). The lower tail is
-    taken as P(T' > c) for T' of noncentrality -nc, the same probability by symmetry: scipy's noncentral-t cdf
-    returns NaN there at large effects and few seeds (d = 5, n = 3), where statsmodels gives NaN."""
-    n = np.atleast_1d(np.asarray(n, float))
-    df, nc = n - 1, effect_size * np.sqrt(n)
-    c = stats.t.ppf(1 - alpha / 2, df)
-    return stats.nct.sf(c, df, nc) + stats.nct.sf(c, df, -nc)
-
 
 def seeds_for_mde(sd_diff: float, mde: float, primaries: int = 1, alpha: float = ALPHA, power: float = POWER,
                   min_seeds: int = 2, max_seeds: int = 1000) -> int:
