@@ -39,7 +39,7 @@ from analysis.cells import (BOOKKEEPING, DEFAULT_MATCH, SHOWN, column_mean, diff
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
 from analysis.stats import ALPHA, compare, describe, holm, one_per_seed
 from analysis.switches import SWITCHES
-from analysis.tables import fmt, markdown_table, ratio_text
+from analysis.tables import column_format, fmt, format_columns, interval_texts, markdown_table, ratio_text
 from analysis.tuning import TUNE_SEED_MIN, TUNED, next_commands, pick_tuned, tuning_table
 
 TABLE_COLUMNS = ["switch", "option", "baseline", "cell", "rate", "setting", "grid_edge", "n", "seeds", "mean",
@@ -207,15 +207,15 @@ def _verdict(t) -> str:
 
 
 def display_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The ablation table with intervals merged into readable strings; columns with nothing in them left out."""
+    """The ablation table as text: intervals merged into readable strings, every column written by one rule
+    (analysis.tables), columns with nothing in them left out."""
     out = table.copy()
-    out["mean ± 95% CI"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if not np.isnan(lo) else fmt(m)
-                            for m, lo, hi in zip(table["mean"], table["ci_lo"], table["ci_hi"])]
-    out["delta [95% CI]"] = ["—" if t == "baseline" else "" if np.isnan(d) else
+    out["mean ± 95% CI"] = interval_texts(table["mean"], table["ci_lo"], table["ci_hi"])
+    out["delta [95% CI]"] = ["—" if t == "baseline" else "" if np.isnan(d) else  # nats, to 1e-4 in every row
                              (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}]" if not np.isnan(lo) else f"{d:+.4f}")
                              for d, lo, hi, t in zip(table["delta"], table["delta_lo"], table["delta_hi"], table["test"])]
-    out["p"] = [fmt(p, 3) for p in table["p_value"]]
-    out["p (Holm)"] = [fmt(p, 3) for p in table["p_holm"]]
+    for name, col in (("p", "p_value"), ("p (Holm)", "p_holm")):
+        out[name] = list(map(column_format(table[col], 3), table[col]))
     out["N / base"] = [ratio_text(v) for v in table["N_rel"]]
     out["FLOPs/token / base"] = [ratio_text(v) for v in table["flops_rel"]]
     out["tokens/s / base"] = [ratio_text(v) for v in table["tokens_per_s_rel"]]
@@ -225,9 +225,8 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     if (table["family"] == "all").all():
         drop.add("family")
     keep = [c for c in out.columns if c not in drop and c not in ("verdict", "warnings")] + ["verdict", "warnings"]
-    out = out[keep]
-    empty = [c for c in out.columns if out[c].map(lambda v: fmt(v) == "").all()]
-    return out.drop(columns=empty)
+    out = format_columns(out[keep])
+    return out.drop(columns=[c for c in out.columns if (out[c] == "").all()])
 
 
 def print_ablation(table: pd.DataFrame) -> None:

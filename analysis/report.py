@@ -44,7 +44,7 @@ from analysis.multipliers import Multipliers, compute_multipliers
 from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
 from analysis.plan import paired_comparisons, window_sd
 from analysis.stats import ALPHA, POWER
-from analysis.tables import fmt, markdown_table
+from analysis.tables import fmt, interval_texts, markdown_table
 from analysis.tuning import TUNE_SEED_MIN, tuning_table
 
 
@@ -448,7 +448,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
             "variant is better); `extrapolated` where the baseline's end segment is extended beyond its points.")
     ps = mult.per_size
     rep.table(pd.DataFrame({"variant": ps["variant"], "N": ps["N"], "C": ps["C"], "seeds": ps["n"], "loss": ps["loss"],
-                            "multiplier [95% CI]": [_ci(*x) for x in zip(ps["multiplier"], ps["lo"], ps["hi"])],
+                            "multiplier [95% CI]": interval_texts(ps["multiplier"], ps["lo"], ps["hi"]),
                             "extrapolated": ps["extrapolated"], "crossover": ps["crossover"]}))
     if not mult.trends.empty:
         tr = mult.trends
@@ -456,7 +456,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
                 "interval from the same replicates: > 0 the gain grows with scale, < 0 it shrinks.")
         rep.table(pd.DataFrame({"variant": tr["variant"], "sizes": tr["sizes"],
                                 "of them extrapolated": tr["extrapolated"],
-                                "slope [95% CI]": [_ci(*x) for x in zip(tr["slope"], tr["lo"], tr["hi"])],
+                                "slope [95% CI]": interval_texts(tr["slope"], tr["lo"], tr["hi"]),
                                 "verdict": tr["verdict"], "crossovers": tr["crossovers"]}))
     fits = mult.fits
     rep.add("**L(C) fits against the seed noise.** L(C) = L_inf + A (C/C0)^-alpha, weighted least squares on the "
@@ -467,8 +467,8 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
             "multiplier is shown for the record, not as a result.")
     rep.table(pd.DataFrame({"fit": fits["kind"], "variant": fits["variant"], "points": fits["points"],
                             "L_inf": fits["L_inf"], "alpha": fits["alpha"], "A": fits["A"],
-                            "multiplier [95% CI]": [_ci(*x) if k == "shared" else "" for k, *x in zip(
-                                fits["kind"], fits["multiplier"], fits["lo"], fits["hi"])],
+                            "multiplier [95% CI]": interval_texts(*(fits[c].where(fits["kind"] == "shared")
+                                                                    for c in ("multiplier", "lo", "hi"))),
                             "chi2": fits["chi2"], "dof": fits["dof"], "p": fits["p"], "verdict": fits["verdict"]}))
     mult.table().to_csv(rep.path("multipliers.csv"), index=False)
     rep.add("Table (one row per variant and size, method per_size, and one per variant for the shared fit, method "
@@ -480,10 +480,6 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
                "Compute multipliers per size with seed-noise 95% intervals (open: extrapolated); adequate shared "
                "fits as bands")
     return mult
-
-
-def _ci(v, lo, hi) -> str:
-    return fmt(v) + (f" [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else "")
 
 
 # --------------------------------------------------------------------------------------------------
