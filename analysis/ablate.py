@@ -35,8 +35,9 @@ import pandas as pd
 
 from analysis.cells import (BOOKKEEPING, DEFAULT_MATCH, SHOWN, column_mean, differing, effective_baseline,
                             group_rows, length_label, ordered_options, rate_label, setting_label, shared_device,
-                            show_value, under)
-from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
+                            show_value, under, variant_labels)
+from analysis.checks import check_ablation_options, check_out_file, one_line, require_runs, what_is_missing
+from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect, print_dirs
 from analysis.stats import ALPHA, compare, describe, holm, one_per_seed
 from analysis.switches import SWITCHES
 from analysis.tables import column_format, fmt, format_columns, interval_texts, markdown_table, ratio_text
@@ -256,11 +257,13 @@ def print_ablation(table: pd.DataFrame) -> None:
 
 
 def parse_baseline(items: Sequence[str]) -> dict:
+    """--baseline's items ('moe=dense', or several joined by commas) -> {switch: option}; ValueError in one
+    line for an item that is not SWITCH=OPTION."""
     out = {}
     for it in items:
         for part in it.split(","):
             if "=" not in part:
-                raise SystemExit(f"--baseline expects SWITCH=OPTION, got {part!r}")
+                raise ValueError(f"--baseline expects SWITCH=OPTION, got {part!r}")
             k, v = part.split("=", 1)
             out[k.strip()] = v.strip()
     return out
@@ -333,21 +336,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--next", action="store_true",
                    help="with --tune: print only the commands to run next, one per line (next_commands)")
     args = p.parse_args(argv)
-    if args.next and not args.tune:
-        raise SystemExit("--next lists what a tuned comparison runs next: add --tune")
-    try:
-        col = collect(args.paths, verbose=not args.next, curves=False)
-        if col.runs.empty:
-            raise ValueError("no usable runs")
+    try:  # every option against the runs first: a mistake stops here, in one line, nothing written
+        if args.next and not args.tune:
+            raise ValueError("--next lists what a tuned comparison runs next: add --tune")
+        for option in ("md", "csv", "plot"):
+            check_out_file(getattr(args, option), f"--{option}")
+        col = collect(args.paths, curves=False)
+        require_runs(col, args.paths)
+        check_ablation_options(col.runs, args)
         read_primary(args.primary, col.runs)
         table = table_from_args(col.runs, args)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"analysis.ablate: {e}") from None
-    if table.empty:
-        raise SystemExit("no switch has runs that differ from the baseline in that switch only")
+        if table.empty:
+            variants = variant_labels(col.runs, parse_baseline(args.baseline))
+            missing = what_is_missing(col.runs, variants, table.attrs.get("notes", []), N_DEFINITIONS[args.n_def])
+            raise ValueError(f"no ablation table: {missing}")
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.ablate: {one_line(e)}") from None
     if args.next:
         print("\n".join(next_commands(table)))
         return
+    print_dirs(col)
     print_ablation(table)
     tuning = tuning_table(table)
     if not tuning.empty:

@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from analysis.checks import check_out_file, one_line
 from analysis.stats import ALPHA, POWER, paired_power
 from analysis.tables import markdown_table
 
@@ -163,11 +164,12 @@ def pilot_noise(paths: Sequence[str], args) -> PilotNoise:
     """PilotNoise of the run directories under `paths`, their ablation table made as analysis.report makes it
     (args: the ablation options)."""
     from analysis.ablate import table_from_args
+    from analysis.checks import check_ablation_options, require_runs
     from analysis.collect import collect
 
     col = collect(paths, curves=True)
-    if col.runs.empty:
-        raise ValueError(f"no usable runs under {' '.join(map(str, paths))}")
+    require_runs(col, paths)
+    check_ablation_options(col.runs, args)
     table = table_from_args(col.runs, args)
     comps = paired_comparisons(table, col.runs, args.metric)
     if comps.empty:
@@ -288,7 +290,13 @@ def main(argv: Optional[list[str]] = None) -> str:
                 raise ValueError(f"--{name.replace('_', '-')} {v}: must be > 0")
         if args.primaries < 1 or args.min_seeds < 2 or not 0 < args.power < 1 or not 0 < args.alpha < 1:
             raise ValueError("--primaries >= 1, --min-seeds >= 2, --power and --alpha in (0, 1)")
-        val_tokens = [int(v) for v in args.val_tokens.split(",") if v.strip()]
+        check_out_file(args.md, "--md")
+        try:
+            val_tokens = [int(v) for v in args.val_tokens.split(",") if v.strip()]
+        except ValueError:
+            val_tokens = []
+        if not val_tokens or min(val_tokens) <= 0:
+            raise ValueError(f"--val-tokens {args.val_tokens!r}: validation sizes in tokens > 0, e.g. 65536,1048576")
         if args.paths:
             noise = pilot_noise(args.paths, args)
         else:
@@ -296,8 +304,8 @@ def main(argv: Optional[list[str]] = None) -> str:
                                args.val_windows or np.nan, pd.DataFrame())
             if args.window_sd and not args.val_windows:
                 raise ValueError("--window-sd needs --val-windows (the windows --sd-diff was measured on)")
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"analysis.plan: {e}") from None
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.plan: {one_line(e)}") from None
     text = plan_text(noise, args, val_tokens)
     print(text)
     if args.md:

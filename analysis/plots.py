@@ -23,6 +23,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+# the figure formats `save` writes: the ones matplotlib's default canvas writes
+FORMATS = sorted(matplotlib.backend_bases.FigureCanvasBase.get_supported_filetypes())
 
 
 def _plain_log(axis) -> None:

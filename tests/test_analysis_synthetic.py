@@ -244,7 +244,7 @@ def test_a_ladder_at_one_tokens_per_parameter_ratio_skips_approaches_3_and_2_and
 
     write_scaling_ladder(tmp_path / "runs", sizes=np.geomspace(1e5, 3e7, 6))
     text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--n-boot-small", "10"]).read_text()
-    assert "Approaches 3 and 2: skipped. Every run has D/N between 20 and 20" in text
+    assert "Approaches 3 and 2: skipped: every run has D/N between 20 and 20" in text
     assert "### Approach 3" not in text and "### Approach 2" not in text
     assert "### Compute multipliers" in text and "(multipliers.csv)" in text
 
