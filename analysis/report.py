@@ -164,7 +164,8 @@ def section_ablation(rep: Report, col: Collection, variants: pd.Series, args) ->
             f"p-value; the verdict decided on `p (Holm)` at {ALPHA}; MDE: the smallest |delta| the test used detects "
             f"with power {POWER} at alpha {ALPHA} given the row's n and spread. `N / base`, `FLOPs/token / base`, "
             f"`tokens/s / base`: active parameters ({N_DEFINITIONS[args.n_def]}), FLOPs per token and throughput "
-            "against the baseline row; `MFU`: the lower of the two rows' median utilisation (speed/mfu), where "
+            "against the baseline row (throughput: the ratio of median tokens/s over seeds, in brackets the range "
+            "of the seed-paired ratios; none where runs shared their device); `MFU`: the lower of the two rows' median utilisation (speed/mfu), where "
             "logged and the runs had their device alone.", "",
             "**The test, chosen before the data:** two-sided paired t-test of the per-seed differences (a seed "
             "fixes both the initialisation and the data order, so it pairs an option's run with the baseline's); "
@@ -496,8 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(p)
     p.add_argument("--out", required=True, help="report folder (report.md, figures, ablation.csv)")
     p.add_argument("--speed", action="append", default=[], metavar="PATH",
-                   help="timing runs (repeatable), each option alone on its GPU: the headline's throughput ratio "
-                        "where the ablation's runs shared a GPU (summary.json's device_shared)")
+                   help="timing runs (repeatable), each option alone on its device: the headline's throughput ratio "
+                        "where the ablation's runs shared theirs (summary.json's device_shared)")
     p.add_argument("--title", default=None)
     add_ablation_args(p)
     p.add_argument("--grid", default="full", choices=["full", "coarse"], help="approach-3 init grid")

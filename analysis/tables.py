@@ -81,5 +81,8 @@ def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
     return cells.to_markdown(index=False, tablefmt="github", disable_numparse=True)
 
 
-def ratio_text(v) -> str:
-    return "" if not np.isfinite(v) else f"{v:.3f}"
+def ratio_text(v, lo=np.nan, hi=np.nan) -> str:
+    """'1.023', or '1.023 [0.981, 1.052]' with a range; '' for NaN."""
+    if not np.isfinite(v):
+        return ""
+    return f"{v:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if np.isfinite(lo) and np.isfinite(hi) else "")

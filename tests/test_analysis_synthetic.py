@@ -14,12 +14,12 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import ablation_table
+from analysis.ablate import ablation_table, display_table
 from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, huber_lse_objective,
                                 init_grid, leave_largest_out)
 from analysis.cells import variant_labels
 from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
-from analysis.headline import headline
+from analysis.headline import display_headline, headline
 from analysis.isoflop import fit_isoflop
 from analysis.stats import holm, mde_paired, mde_welch
 from analysis.tuning import next_commands, tuning_table
@@ -564,7 +564,7 @@ def test_runs_that_shared_a_gpu_give_no_throughput_ratio_and_the_headline_takes_
     for seed in (0, 1, 2):
         noise = rng.normal(0, 0.01)
         rows.append(dict(base, tokens=1e8, seed=seed, loss_val_final=3.0 + noise, tokens_per_s_median=900.0,
-                         device_shared=True))
+                         device_shared=True, device_shared_why="load 3.1 on 2 cores"))
         rows.append(dict(base, glu="swiglu", tokens=1e8, seed=seed, loss_val_final=3.1 + noise,
                          tokens_per_s_median=1100.0, device_shared=True))
     rows.append(dict(base, tokens=1e6, seed=0, loss_val_final=4.0, tokens_per_s_median=1000.0, device_shared=False))
@@ -573,11 +573,33 @@ def test_runs_that_shared_a_gpu_give_no_throughput_ratio_and_the_headline_takes_
     tab = ablation_table(pd.DataFrame(rows))
     study = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e8)].iloc[0]
     timing = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e6)].iloc[0]
-    assert np.isnan(study["tokens_per_s_rel"]) and "shared a GPU" in study["warnings"]
+    assert np.isnan(study["tokens_per_s_rel"]) and np.isnan(study["tokens_per_s_lo"])
+    assert "no throughput ratio: runs shared their device (6 of 6 runs: load 3.1 on 2 cores)" in study["warnings"]
     assert timing["tokens_per_s_rel"] == pytest.approx(0.8) and "shared" not in timing["warnings"]
     head = headline(tab).set_index("option").loc["swiglu"]
     assert head["tokens_per_s_rel"] == pytest.approx(0.8) and head["tokens"] == 1e8
     assert head["delta"] == pytest.approx(0.1)
+    alone = tab[tab["tokens"] == 1e6].index
+    shown = display_headline(headline(tab.drop(index=alone))).iloc[0]  # no cell timed alone: no ratio, and why
+    assert shown["tokens/s ratio [seed range]"] == ("— (no throughput ratio: runs shared their device (6 of 6 runs: "
+                                                    "load 3.1 on 2 cores))")
+
+
+def test_a_throughput_ratio_is_the_ratio_of_medians_with_the_range_of_the_seed_paired_ratios():
+    """Option runs at 1100, 1000, 1200 tokens/s and baseline runs at 1000, 1000, 800 on seeds 0, 1, 2: the
+    ratio is 1100 / 1000, the range that of 1.1, 1.0, 1.5; one paired seed gives no range."""
+    base = {**analysis_default(), "model": "tiny", "data": "sotu", "params_active_non_embedding": 1e6,
+            "flops_per_token": 6e6, "tokens": 1e6}
+    rows = [dict(base, seed=s, loss_val_final=3.0 + 0.01 * s, tokens_per_s_median=b)
+            for s, b in enumerate((1000., 1000., 800.))]
+    rows += [dict(base, glu="swiglu", seed=s, loss_val_final=3.1 + 0.01 * s, tokens_per_s_median=v)
+             for s, v in enumerate((1100., 1000., 1200.))]
+    row = ablation_table(pd.DataFrame(rows)).set_index("option").loc["swiglu"]
+    assert (row["tokens_per_s_rel"], row["tokens_per_s_lo"], row["tokens_per_s_hi"]) == pytest.approx((1.1, 1.0, 1.5))
+    assert display_table(ablation_table(pd.DataFrame(rows)))["tokens/s / base [seed range]"].tolist()[-1] == \
+        "1.100 [1.000, 1.500]"
+    one = ablation_table(pd.DataFrame([rows[0], rows[3]])).set_index("option").loc["swiglu"]
+    assert one["tokens_per_s_rel"] == pytest.approx(1.1) and np.isnan(one["tokens_per_s_lo"])
 
 
 # --------------------------------------------------------------------------------------------------
