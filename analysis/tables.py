@@ -8,8 +8,8 @@ The rule of a column of numbers (column_format), chosen once from all its values
                    of decimals in every row, `digits` significant digits for the largest (a column of means
                    reads 3.509, 3.540, 3.589, never 3.54 beside 3.555);
     significant    otherwise (a column of different quantities, or of p-values over several decades): each
-                   value with `digits` significant digits, trailing zeros kept (fmt), and every value in
-                   scientific notation when one needs it (a magnitude below 1e-3 or from 1e5).
+                   value with `digits` significant digits, trailing zeros kept, in scientific notation below
+                   1e-3 and from 1e5 (fmt): 1.398, 21.68, 8.812e+05.
 """
 from __future__ import annotations
 
@@ -52,9 +52,6 @@ def column_format(values: Iterable, digits: int = 4) -> Callable[[object], str]:
     if mags.size and mags.max() < 1e5 and mags.min() >= 1e-3 and mags.max() < 100 * mags.min():
         decimals = max(0, digits - 1 - math.floor(math.log10(mags.max())))
         return lambda v: f"{float(v):.{decimals}f}" if _is_number(v) and np.isfinite(float(v)) else fmt(v, digits)
-    if mags.size and (mags.max() >= 1e5 or mags.min() < 1e-3):
-        return lambda v: (f"{float(v):.{digits - 1}e}" if _is_number(v) and np.isfinite(float(v))
-                          else fmt(v, digits))
     return lambda v: fmt(float(v), digits) if _is_number(v) else fmt(v, digits)
 
 
