@@ -214,7 +214,8 @@ def section_ablation(rep: Report, col: Collection, variants: pd.Series, args) ->
             rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=list(dict.fromkeys(label.values()))),
                        f"maxvio_{s}", f"MoE MaxVio by {s} option{where}")
     if "balance" not in set(table["switch"]) and "moe" not in set(table["switch"]):
-        rep.figure(plots.plot_maxvio(col.curves, col.runs, by="model"), "maxvio", "MoE MaxVio over training")
+        rep.figure(plots.plot_maxvio(col.curves, col.runs.assign(variant=variants), by="variant"), "maxvio",
+                   "MoE MaxVio over training by variant (the switches each run sets apart from the baseline)")
     return table
 
 

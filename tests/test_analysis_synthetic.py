@@ -716,6 +716,36 @@ def test_delta_plot_explains_its_colours(sweep):
     assert any("not significant" in t for t in texts) and "Holm" in fig.legends[0].get_title().get_text()
 
 
+def test_a_delta_plot_of_one_row_keeps_its_legend_inside_the_figure(sweep):
+    """One option of one switch: the narrowest figure the plot draws; its legend lies within it."""
+    from analysis.plots import plot_ablation
+
+    root, _ = sweep
+    runs = collect([root], curves=False).runs
+    one = runs[runs["run_id"].str.startswith(("baseline-", "glu-swiglu-"))]
+    fig = plot_ablation(ablation_table(one))
+    fig.canvas.draw()
+    box, page = fig.legends[0].get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+
+
+def test_the_reports_maxvio_figure_colours_runs_by_variant(tmp_path, monkeypatch):
+    """MoE runs of SiTU and SwiGLU (no balance or moe comparison): the report's MaxVio figure has one colour
+    per variant, 'baseline' and 'glu=swiglu', not one per model."""
+    from analysis import plots
+    from analysis.report import main as report
+
+    rng = np.random.default_rng(0)
+    for option, maxvio in (("situ", 1.0), ("swiglu", 3.0)):
+        for seed in (0, 1):
+            write_run(tmp_path / "runs" / f"glu-{option}-s{seed}", {**analysis_default(), "glu": option}, seed, 1e6,
+                      2e7, 0.01 * (option == "swiglu"), rng, maxvio=maxvio)
+    drawn = []
+    monkeypatch.setattr(plots, "plot_maxvio", lambda curves, runs, by, **kw: drawn.append(set(runs[by])))
+    report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--formats", "png"])
+    assert drawn == [{"baseline", "glu=swiglu"}]
+
+
 def test_log_axis_panels_leave_out_step_0_and_show_short_runs(tmp_path):
     """A run validated only at step 0 and at its end: the step panel has both points, the tokens and FLOPs
     panels (log x) the last one alone, drawn with a marker so that it shows."""
