@@ -266,11 +266,12 @@ def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[M
                "that many times the FLOPs for the option's loss; * where the baseline's curve is extended beyond its "
                "points) with its seed-noise interval, and its trend over sizes; the multiplier of the shared "
                "L(C) fit only where that fit is adequate against the seed noise (*Compute multipliers* below); the "
-               "throughput against the baseline's from runs each alone on its device (where the ablation's runs "
-               "shared a GPU, from the --speed runs of the same size), beside their utilisation; and the wall-clock "
-               "multiplier = compute multiplier x tokens/s ratio x FLOPs/token ratio (> 1: the option reaches the "
-               f"loss sooner), given only at a utilisation of {100 * min_mfu:g}% or more (below it the step time is "
-               "mostly launches and host work, which do not scale with the model)." + ladder, "",
+               "throughput against the baseline's from runs each alone on its device (the ratio of median tokens/s "
+               "over seeds, in brackets the range of the seed-paired ratios; where the ablation's runs shared their "
+               "device, from the --speed runs of the same size, else none and why), beside their utilisation; and "
+               "the wall-clock multiplier = compute multiplier x tokens/s ratio x FLOPs/token ratio (> 1: the option "
+               f"reaches the loss sooner), given only at a utilisation of {100 * min_mfu:g}% or more (below it the "
+               "step time is mostly launches and host work, which do not scale with the model)." + ladder, "",
                markdown_table(display_headline(h)), "", "Table: [headline.csv](headline.csv).")
 
 
