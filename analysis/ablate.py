@@ -18,7 +18,9 @@ Statistics per row (analysis.stats): n seeds, mean, standard deviation, Student-
 baseline the delta, its CI and p-value (paired t-test on matching seeds, else Welch), `p_holm` adjusted over
 all comparisons of the table (Holm), the verdict at ALPHA, and `mde`, the minimum detectable effect. Each
 row also has its N (the active non-embedding parameters by default) and FLOPs per token relative to the
-baseline row, and its throughput (summary tokens_per_s_median) relative to the baseline's.
+baseline row, and its throughput relative to the baseline's (speed_ratio: the ratio of the two sides' median
+tokens/s over seeds, with the range of the seed-paired ratios), none where either side's runs shared their
+device (summary.json's device_shared; device_shared_why says why, and the row's warning repeats it).
 
     python -m analysis.ablate runs/abl --metric loss_val_final --md abl.md --csv abl.csv --plot abl
     python -m analysis.ablate runs/tune_moe --tune                      # each option at its own best rate
@@ -35,17 +37,18 @@ import pandas as pd
 
 from analysis.cells import (BOOKKEEPING, DEFAULT_MATCH, SHOWN, column_mean, differing, effective_baseline,
                             group_rows, length_label, ordered_options, rate_label, setting_label, shared_device,
-                            show_value, under)
-from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
+                            show_value, under, variant_labels)
+from analysis.checks import check_ablation_options, check_out_file, one_line, require_runs, what_is_missing
+from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect, print_dirs
 from analysis.stats import ALPHA, compare, describe, holm, one_per_seed
 from analysis.switches import SWITCHES
-from analysis.tables import fmt, markdown_table, ratio_text
+from analysis.tables import column_format, fmt, format_columns, interval_texts, markdown_table, ratio_text
 from analysis.tuning import TUNE_SEED_MIN, TUNED, next_commands, pick_tuned, tuning_table
 
 TABLE_COLUMNS = ["switch", "option", "baseline", "cell", "rate", "setting", "grid_edge", "n", "seeds", "mean",
                  "std", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "family", "test",
                  "mde", "verdict", "warnings", "N", "N_rel", "tokens", "flops_per_token", "flops_rel", "tokens_per_s",
-                 "tokens_per_s_rel", "mfu", "run_ids"]
+                 "tokens_per_s_rel", "tokens_per_s_lo", "tokens_per_s_hi", "mfu", "run_ids"]
 
 
 def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline: Optional[dict] = None,
@@ -174,17 +177,37 @@ def _fill(row: dict, g: pd.DataFrame, base_rows: list, is_base: bool, metric: st
     else:
         row.update(compare(sample, one_per_seed(base_rows[0][1], metric)[0], metric, level))
     base_g = base_rows[0][1] if len(base_rows) == 1 else g.iloc[:0]
-    for col, src in (("N_rel", n_col), ("flops_rel", "flops_per_token"), ("tokens_per_s_rel", "tokens_per_s_median")):
+    for col, src in (("N_rel", n_col), ("flops_rel", "flops_per_token")):
         base_mean = column_mean(base_g, src) if len(base_g) else np.nan
         row[col] = column_mean(g, src) / base_mean if base_mean else np.nan
+    row["tokens_per_s_rel"], row["tokens_per_s_lo"], row["tokens_per_s_hi"] = speed_ratio(g, base_g)
     # the utilisation of the pair: the lower of the two runs' median MFU (NaN when not logged)
     row["mfu"] = min(column_mean(g, "mfu_median"), column_mean(base_g, "mfu_median")) if len(base_g) else np.nan
-    if shared_device(g) or shared_device(base_g):  # others trained on the same GPU: not the option's own speed
-        row["tokens_per_s_rel"] = row["mfu"] = np.nan
+    shared = shared_device(pd.concat([g, base_g]))
+    if shared:  # others trained on the same device, or the machine was busy: not the option's own speed
+        row["tokens_per_s_rel"] = row["tokens_per_s_lo"] = row["tokens_per_s_hi"] = row["mfu"] = np.nan
         if not is_base:
-            warnings.append("tokens/s of runs that shared a GPU: no throughput ratio")
+            warnings.append(f"no throughput ratio: runs shared their device ({shared})")
     row["warnings"] = "; ".join(warnings)
     return row
+
+
+def speed_ratio(g: pd.DataFrame, base_g: pd.DataFrame, col: str = "tokens_per_s_median") -> tuple:
+    """(ratio, lo, hi): the runs' tokens/s over the baseline runs', as the ratio of the two sides' medians over
+    seeds, and the range (min, max) of the ratios of the seeds both sides ran (a seed run twice: its median).
+    The range is the spread a throughput ratio from a few seeds has; NaN with fewer than 2 paired seeds, all
+    NaN where a side has no tokens/s."""
+    nan = (np.nan, np.nan, np.nan)
+    if col not in g or col not in base_g or not len(base_g):
+        return nan
+    by = "seed" if "seed" in g and "seed" in base_g else None
+    side, base = ((x.groupby(by)[col].median() if by else x[col]).pipe(pd.to_numeric, errors="coerce").dropna()
+                  for x in (g, base_g))
+    if side.empty or base.empty or not base.median() > 0:
+        return nan
+    paired = (side / base).dropna() if by else pd.Series(dtype=float)
+    lo, hi = (paired.min(), paired.max()) if len(paired) >= 2 else (np.nan, np.nan)
+    return float(side.median() / base.median()), float(lo), float(hi)
 
 
 def _verdict(t) -> str:
@@ -207,27 +230,28 @@ def _verdict(t) -> str:
 
 
 def display_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The ablation table with intervals merged into readable strings; columns with nothing in them left out."""
+    """The ablation table as text: intervals merged into readable strings, every column written by one rule
+    (analysis.tables), columns with nothing in them left out."""
     out = table.copy()
-    out["mean ± 95% CI"] = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" if not np.isnan(lo) else fmt(m)
-                            for m, lo, hi in zip(table["mean"], table["ci_lo"], table["ci_hi"])]
-    out["delta [95% CI]"] = ["—" if t == "baseline" else "" if np.isnan(d) else
+    out["mean ± 95% CI"] = interval_texts(table["mean"], table["ci_lo"], table["ci_hi"])
+    out["delta [95% CI]"] = ["—" if t == "baseline" else "" if np.isnan(d) else  # nats, to 1e-4 in every row
                              (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}]" if not np.isnan(lo) else f"{d:+.4f}")
                              for d, lo, hi, t in zip(table["delta"], table["delta_lo"], table["delta_hi"], table["test"])]
-    out["p"] = [fmt(p, 3) for p in table["p_value"]]
-    out["p (Holm)"] = [fmt(p, 3) for p in table["p_holm"]]
+    for name, col in (("p", "p_value"), ("p (Holm)", "p_holm")):
+        out[name] = list(map(column_format(table[col], 3), table[col]))
     out["N / base"] = [ratio_text(v) for v in table["N_rel"]]
     out["FLOPs/token / base"] = [ratio_text(v) for v in table["flops_rel"]]
-    out["tokens/s / base"] = [ratio_text(v) for v in table["tokens_per_s_rel"]]
+    out["tokens/s / base [seed range]"] = [ratio_text(*x) for x in zip(
+        table["tokens_per_s_rel"], table["tokens_per_s_lo"], table["tokens_per_s_hi"])]
     out["MFU"] = [f"{100 * v:.1f}%" if np.isfinite(v) else "" for v in table["mfu"].astype(float)]
     drop = {"baseline", "mean", "ci_lo", "ci_hi", "delta", "delta_lo", "delta_hi", "p_value", "p_holm", "mde", "N",
-            "N_rel", "flops_per_token", "flops_rel", "tokens_per_s", "tokens_per_s_rel", "mfu", "run_ids"}
+            "N_rel", "flops_per_token", "flops_rel", "tokens_per_s", "tokens_per_s_rel", "tokens_per_s_lo",
+            "tokens_per_s_hi", "mfu", "run_ids"}
     if (table["family"] == "all").all():
         drop.add("family")
     keep = [c for c in out.columns if c not in drop and c not in ("verdict", "warnings")] + ["verdict", "warnings"]
-    out = out[keep]
-    empty = [c for c in out.columns if out[c].map(lambda v: fmt(v) == "").all()]
-    return out.drop(columns=empty)
+    out = format_columns(out[keep])
+    return out.drop(columns=[c for c in out.columns if (out[c] == "").all()])
 
 
 def print_ablation(table: pd.DataFrame) -> None:
@@ -257,11 +281,13 @@ def print_ablation(table: pd.DataFrame) -> None:
 
 
 def parse_baseline(items: Sequence[str]) -> dict:
+    """--baseline's items ('moe=dense', or several joined by commas) -> {switch: option}; ValueError in one
+    line for an item that is not SWITCH=OPTION."""
     out = {}
     for it in items:
         for part in it.split(","):
             if "=" not in part:
-                raise SystemExit(f"--baseline expects SWITCH=OPTION, got {part!r}")
+                raise ValueError(f"--baseline expects SWITCH=OPTION, got {part!r}")
             k, v = part.split("=", 1)
             out[k.strip()] = v.strip()
     return out
@@ -334,21 +360,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--next", action="store_true",
                    help="with --tune: print only the commands to run next, one per line (next_commands)")
     args = p.parse_args(argv)
-    if args.next and not args.tune:
-        raise SystemExit("--next lists what a tuned comparison runs next: add --tune")
-    try:
-        col = collect(args.paths, verbose=not args.next, curves=False)
-        if col.runs.empty:
-            raise ValueError("no usable runs")
+    try:  # every option against the runs first: a mistake stops here, in one line, nothing written
+        if args.next and not args.tune:
+            raise ValueError("--next lists what a tuned comparison runs next: add --tune")
+        for option in ("md", "csv", "plot"):
+            check_out_file(getattr(args, option), f"--{option}")
+        col = collect(args.paths, curves=False)
+        require_runs(col, args.paths)
+        check_ablation_options(col.runs, args)
         read_primary(args.primary, col.runs)
         table = table_from_args(col.runs, args)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"analysis.ablate: {e}") from None
-    if table.empty:
-        raise SystemExit("no switch has runs that differ from the baseline in that switch only")
+        if table.empty:
+            variants = variant_labels(col.runs, parse_baseline(args.baseline))
+            missing = what_is_missing(col.runs, variants, table.attrs.get("notes", []), N_DEFINITIONS[args.n_def])
+            raise ValueError(f"no ablation table: {missing}")
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.ablate: {one_line(e)}") from None
     if args.next:
         print("\n".join(next_commands(table)))
         return
+    print_dirs(col)
     print_ablation(table)
     tuning = tuning_table(table)
     if not tuning.empty:

@@ -293,6 +293,25 @@ def size_groups(n: np.ndarray, sig: int = 3) -> np.ndarray:
     return np.round(n / mag) * mag
 
 
+MIN_POINTS, MIN_SIZES = 6, 3
+
+
+def why_not(n, d) -> Optional[str]:
+    """Why approach 3 cannot be fitted to these points, in words, or None when it can: fewer than MIN_POINTS
+    points (it has 5 parameters) or MIN_SIZES sizes, or one tokens-per-parameter ratio (D/N within a factor 2
+    everywhere), at which N's term cannot be told from D's and each FLOP budget holds one size."""
+    n, d = np.asarray(n, float), np.asarray(d, float)
+    sizes = len(np.unique(size_groups(n))) if len(n) else 0
+    if len(n) < MIN_POINTS or sizes < MIN_SIZES:
+        return (f"{len(n)} point{'s' if len(n) != 1 else ''} over {sizes} size{'s' if sizes != 1 else ''} "
+                f"(approach 3 needs >= {MIN_POINTS} points over >= {MIN_SIZES} sizes)")
+    ratio = d / n
+    if ratio.max() < 2 * ratio.min():
+        return (f"every run has D/N between {ratio.min():.3g} and {ratio.max():.3g} (one tokens-per-parameter ratio), "
+                "so N's term cannot be told from D's, and each FLOP budget holds one size")
+    return None
+
+
 def leave_largest_out(n, d, loss, n_sizes: int = 1, grid: str | np.ndarray = "coarse",
                       delta: float = 1e-3, kappa: float = 6.0) -> tuple[ChinchillaFit, pd.DataFrame]:
     """Fit approach 3 without the `n_sizes` largest model sizes and predict the held-out runs.

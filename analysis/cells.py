@@ -140,9 +140,16 @@ def rate_label(g: pd.DataFrame, tuned_cols: Sequence[str], strip: str) -> str:
     return ", ".join(parts)
 
 
-def shared_device(g: pd.DataFrame) -> bool:
-    """Whether any run of g trained beside other runs on its GPU (summary.json's device_shared)."""
-    return "device_shared" in g and bool(g["device_shared"].fillna(False).astype(bool).any())
+def shared_device(g: pd.DataFrame) -> str:
+    """Why runs of g did not have their device to themselves, '' when they did: summary.json's device_shared
+    (other runs on the same GPU, or a busy CPU) with its device_shared_why where the run wrote one."""
+    if "device_shared" not in g:
+        return ""
+    shared = g[g["device_shared"].fillna(False).astype(bool)]
+    if shared.empty:
+        return ""
+    why = sorted(set(shared["device_shared_why"].dropna().astype(str))) if "device_shared_why" in shared else []
+    return f"{len(shared)} of {len(g)} runs: " + ("; ".join(why) if why else "device_shared")
 
 
 def column_mean(g: pd.DataFrame, col: str) -> float:

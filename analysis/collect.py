@@ -220,6 +220,8 @@ def _check_run(d: Path) -> tuple[Optional[dict], list[dict], str, str]:
 
 def _run_ids(dirs: list[Path]) -> list[str]:
     """Run ids: paths relative to the runs' common parent (unique), or the folder name for one run."""
+    if not dirs:
+        return []
     if len(dirs) == 1:
         return [dirs[0].name]
     resolved = [d.resolve() for d in dirs]
@@ -365,16 +367,21 @@ def _derive(df: pd.DataFrame, where: str) -> pd.DataFrame:
 def select_rows(df: pd.DataFrame, drop_highest: int = 0, best_of: Sequence[str] = (),
                 where: Sequence[str] = ()) -> pd.DataFrame:
     """In this order: drop the `drop_highest` highest-loss rows; keep the lowest-loss row per `best_of`
-    group (e.g. the best LR per (model, D)); apply each pandas `where` query (e.g. 'D >= 1e9')."""
+    group (e.g. the best LR per (model, D)); apply each pandas `where` query (e.g. 'D >= 1e9'). A column
+    that is not there, a query that cannot run or keeps no row: ValueError in one line."""
+    from analysis.checks import check_query, not_valid
+
     if drop_highest:
+        if not 0 <= drop_highest < len(df):
+            raise ValueError(f"--drop-highest {drop_highest}: between 0 and {len(df) - 1} for {len(df)} rows")
         df = df.sort_values("loss").iloc[:-drop_highest]
+    for c in best_of:
+        if c not in df.columns:
+            raise ValueError(not_valid("--best-of", c, "a column", df.columns))
     if best_of:
-        bad = [c for c in best_of if c not in df.columns]
-        if bad:
-            raise KeyError(f"--best-of columns {bad} not found; available: {list(df.columns)}")
         df = df.loc[df.groupby(list(best_of), dropna=False)["loss"].idxmin()]
     for q in where:
-        df = df.query(q)
+        df = check_query(df, q, "--where")
     return df.reset_index(drop=True)
 
 
@@ -421,14 +428,20 @@ def _split(s: str) -> list[str]:
 
 
 def scaling_table_from_args(args, collection: Optional[Collection] = None) -> pd.DataFrame:
+    """The (N, D, C, loss) table of a command's sources: the CSV (--csv, --map) or the runs under args.paths
+    (--n, --c, --d-col, --loss-col, each checked against them), rows selected by select_rows. ValueError in
+    one line for a source or option that does not fit."""
+    from analysis.checks import check_metric, check_numeric_column, require_runs
+
     if args.csv:
         df = load_csv(args.csv, args.map)
     else:
         if not args.paths:
-            raise SystemExit("give run directories (or globs) or --csv FILE")
-        collection = collection or collect(args.paths, verbose=True)
-        if collection.runs.empty:
-            raise SystemExit("no usable runs")
+            raise ValueError("give run directories (or globs) or --csv FILE")
+        collection = collection or collect(args.paths)
+        require_runs(collection, args.paths)
+        check_metric(collection.runs, args.loss_col, "--loss-col")
+        check_numeric_column(collection.runs, args.d_col, "--d-col")
         df = runs_to_scaling(collection.runs, args.n_def, args.c_def, args.d_col, args.loss_col)
     return select_rows(df, args.drop_highest, _split(args.best_of), args.where)
 

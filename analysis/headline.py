@@ -31,7 +31,8 @@ MIN_MFU = 0.2
 
 HEADLINE_COLUMNS = ["switch", "option", "N", "tokens", "n", "delta", "delta_lo", "delta_hi", "verdict", "family",
                     "per_size", "trend", "trend_lo", "trend_hi", "trend_verdict", "fit_multiplier", "fit_lo", "fit_hi",
-                    "fit_verdict", "fit_p", "tokens_per_s_rel", "mfu", "flops_rel", "flop_s_rel", "wall_clock",
+                    "fit_verdict", "fit_p", "tokens_per_s_rel", "tokens_per_s_lo", "tokens_per_s_hi",
+                    "tokens_per_s_note", "mfu", "flops_rel", "flop_s_rel", "wall_clock",
                     "wall_clock_lo", "wall_clock_hi", "wall_clock_note"]
 
 
@@ -69,11 +70,16 @@ def headline(table: pd.DataFrame, multipliers: Optional[Multipliers] = None, spe
             alone = timed[np.isclose(size, r["_size"]) & timed["tokens_per_s_rel"].notna()]
             by = [c for c in ("tokens", "n") if c in alone]
             speed_row = alone.sort_values(by, ascending=False, kind="stable").iloc[0] if len(alone) else None
-        tokens_per_s_rel = speed_row["tokens_per_s_rel"] if speed_row is not None else np.nan
+        tokens_per_s_rel, tokens_per_s_lo, tokens_per_s_hi = (
+            (speed_row["tokens_per_s_rel"], speed_row["tokens_per_s_lo"], speed_row["tokens_per_s_hi"])
+            if speed_row is not None else (np.nan, np.nan, np.nan))
+        shared = "; ".join(w for w in str(r.get("warnings", "")).split("; ") if w.startswith("no throughput ratio"))
         mfu = speed_row["mfu"] if speed_row is not None else np.nan
         row = {"switch": s, "option": o, "N": r["_size"], "tokens": r["_tokens"], "n": r["n"], "delta": r["delta"],
                "delta_lo": r["delta_lo"], "delta_hi": r["delta_hi"], "verdict": r["verdict"],
-               "family": r.get("family", "all"), "tokens_per_s_rel": tokens_per_s_rel, "mfu": mfu,
+               "family": r.get("family", "all"), "tokens_per_s_rel": tokens_per_s_rel,
+               "tokens_per_s_lo": tokens_per_s_lo, "tokens_per_s_hi": tokens_per_s_hi,
+               "tokens_per_s_note": "" if speed_row is not None else shared, "mfu": mfu,
                "flops_rel": r["flops_rel"], "flop_s_rel": tokens_per_s_rel * r["flops_rel"]}
         row.update(_multipliers(f"{s}={o}", multipliers, r["_size"]))
         row.update(_wall_clock(row, min_mfu))
@@ -151,7 +157,9 @@ def display_headline(h: pd.DataFrame) -> pd.DataFrame:
             for *x, v in zip(h["trend"], h["trend_lo"], h["trend_hi"], h["trend_verdict"])],
         "fitted multiplier [95% CI]": [fit(*x) for x in zip(h["fit_multiplier"], h["fit_lo"], h["fit_hi"],
                                                                 h["fit_verdict"], h["fit_p"])],
-        "tokens/s ratio": [ratio_text(v) for v in h["tokens_per_s_rel"]],
+        "tokens/s ratio [seed range]": [ratio_text(*x) if np.isfinite(x[0]) else f"— ({note})" if note else ""
+                                        for *x, note in zip(h["tokens_per_s_rel"], h["tokens_per_s_lo"],
+                                                            h["tokens_per_s_hi"], h["tokens_per_s_note"])],
         "MFU": [f"{100 * v:.1f}%" if np.isfinite(v) else "" for v in h["mfu"].astype(float)],
         "FLOPs/token ratio": [ratio_text(v) for v in h["flops_rel"]],
         "wall-clock multiplier [95% CI]": [ci(*x) if np.isfinite(x[0]) else f"— ({note})" for *x, note in zip(

@@ -186,7 +186,8 @@ def compute_multipliers(df: pd.DataFrame, baseline: str = "baseline", variant_co
     fit 2 of the baseline and 2 of the variant (5 in all, one degree of freedom for its test)."""
     points = points_table(df, variant_col, seed_col)
     if baseline not in set(points["variant"]):
-        raise ValueError(f"baseline variant {baseline!r} not among {sorted(map(str, set(points['variant'])))}")
+        raise ValueError(f"baseline variant {baseline!r} is not among the variants "
+                         f"({', '.join(sorted(map(str, set(points['variant']))))})")
     points["used"] = True
     if select == "frontier":
         for v, g in points.groupby("variant", sort=False):

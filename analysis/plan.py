@@ -47,7 +47,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.stats import ALPHA, POWER
+from analysis.checks import check_out_file, one_line
+from analysis.stats import ALPHA, POWER, paired_power
 from analysis.tables import markdown_table
 
 VAL_TOKENS = (65_536, 262_144, 1_048_576, 4_194_304)
@@ -56,18 +57,6 @@ VAL_TOKENS = (65_536, 262_144, 1_048_576, 4_194_304)
 # --------------------------------------------------------------------------------------------------
 # Seeds
 # --------------------------------------------------------------------------------------------------
-
-def paired_power(effect_size: float, n, alpha: float) -> np.ndarray:
-    """Power of the two-sided one-sample (paired) t-test on n differences (scalar or array) at `alpha` for a
-    true mean of effect_size standard deviations: with c = t_{1-alpha/2, n-1} and the noncentrality
-    nc = d sqrt(n), P(T > c) + P(T < -c) for T noncentral t (statsmodels' TTestPower.power). The lower tail is
-    taken as P(T' > c) for T' of noncentrality -nc, the same probability by symmetry: scipy's noncentral-t cdf
-    returns NaN there at large effects and few seeds (d = 5, n = 3), where statsmodels gives NaN."""
-    n = np.atleast_1d(np.asarray(n, float))
-    df, nc = n - 1, effect_size * np.sqrt(n)
-    c = stats.t.ppf(1 - alpha / 2, df)
-    return stats.nct.sf(c, df, nc) + stats.nct.sf(c, df, -nc)
-
 
 def seeds_for_mde(sd_diff: float, mde: float, primaries: int = 1, alpha: float = ALPHA, power: float = POWER,
                   min_seeds: int = 2, max_seeds: int = 1000) -> int:
@@ -175,11 +164,12 @@ def pilot_noise(paths: Sequence[str], args) -> PilotNoise:
     """PilotNoise of the run directories under `paths`, their ablation table made as analysis.report makes it
     (args: the ablation options)."""
     from analysis.ablate import table_from_args
+    from analysis.checks import check_ablation_options, require_runs
     from analysis.collect import collect
 
     col = collect(paths, curves=True)
-    if col.runs.empty:
-        raise ValueError(f"no usable runs under {' '.join(map(str, paths))}")
+    require_runs(col, paths)
+    check_ablation_options(col.runs, args)
     table = table_from_args(col.runs, args)
     comps = paired_comparisons(table, col.runs, args.metric)
     if comps.empty:
@@ -300,7 +290,13 @@ def main(argv: Optional[list[str]] = None) -> str:
                 raise ValueError(f"--{name.replace('_', '-')} {v}: must be > 0")
         if args.primaries < 1 or args.min_seeds < 2 or not 0 < args.power < 1 or not 0 < args.alpha < 1:
             raise ValueError("--primaries >= 1, --min-seeds >= 2, --power and --alpha in (0, 1)")
-        val_tokens = [int(v) for v in args.val_tokens.split(",") if v.strip()]
+        check_out_file(args.md, "--md")
+        try:
+            val_tokens = [int(v) for v in args.val_tokens.split(",") if v.strip()]
+        except ValueError:
+            val_tokens = []
+        if not val_tokens or min(val_tokens) <= 0:
+            raise ValueError(f"--val-tokens {args.val_tokens!r}: validation sizes in tokens > 0, e.g. 65536,1048576")
         if args.paths:
             noise = pilot_noise(args.paths, args)
         else:
@@ -308,8 +304,8 @@ def main(argv: Optional[list[str]] = None) -> str:
                                args.val_windows or np.nan, pd.DataFrame())
             if args.window_sd and not args.val_windows:
                 raise ValueError("--window-sd needs --val-windows (the windows --sd-diff was measured on)")
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"analysis.plan: {e}") from None
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.plan: {one_line(e)}") from None
     text = plan_text(noise, args, val_tokens)
     print(text)
     if args.md:

@@ -23,6 +23,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 PALETTE = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+# the figure formats `save` writes: the ones matplotlib's default canvas writes
+FORMATS = sorted(matplotlib.backend_bases.FigureCanvasBase.get_supported_filetypes())
 
 
 def _plain_log(axis) -> None:
@@ -235,7 +237,8 @@ def plot_ablation(table: pd.DataFrame):
     handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=lab) for c, lab in (
         ("C3", "worse (Holm p < 0.05)"), ("C2", "better (Holm p < 0.05)"),
         ("C7", "not significant after Holm, or no test (n < 2)"))]
-    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=7, frameon=False,
+    # one entry a line: three side by side are wider than a figure of short labels and would be cut off
+    fig.legend(handles=handles, loc="outside lower center", ncol=1, fontsize=7, frameon=False,
                title=f"colour: Holm-Bonferroni over {n_cmp} comparisons", title_fontsize=7)
     axes[-1, 0].set_xlabel(f"Δ {table.attrs.get('metric', 'metric')} vs baseline (95% CI)")
     return fig

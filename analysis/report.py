@@ -33,10 +33,13 @@ import pandas as pd
 from analysis import plots
 from analysis.ablate import (add_ablation_args, display_table, parse_baseline, print_ablation, read_primary,
                              table_from_args)
-from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, leave_largest_out,
-                                size_groups)
+from analysis.approach3 import (MIN_POINTS, MIN_SIZES, bootstrap_chinchilla, fit_chinchilla, flops_per_param_token,
+                                leave_largest_out, size_groups, why_not)
 from analysis.cells import BOOKKEEPING, variant_labels
-from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect,
+from analysis.checks import (check_ablation_options, check_metric, check_numeric_column, check_out_folder,
+                             check_query, not_valid, one_line, parse_budgets, require_runs,
+                             what_is_missing)
+from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, add_source_args, collect, print_dirs,
                               runs_to_scaling, scaling_table_from_args, select_rows)
 from analysis.headline import MIN_MFU, display_headline, headline
 from analysis.isoflop import fit_isoflop, flop_budgets
@@ -44,7 +47,7 @@ from analysis.multipliers import Multipliers, compute_multipliers
 from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
 from analysis.plan import paired_comparisons, window_sd
 from analysis.stats import ALPHA, POWER
-from analysis.tables import fmt, markdown_table
+from analysis.tables import fmt, interval_texts, markdown_table
 from analysis.tuning import TUNE_SEED_MIN, tuning_table
 
 
@@ -61,10 +64,11 @@ class Report:
         self.formats = formats
         self.lines: list[str] = []
         self.written: set[str] = set()
-        out.mkdir(parents=True, exist_ok=True)
+        self.holds: set[str] = set()  # what it has of 'headline', 'ablation', 'figure': none, and it is empty
 
     def path(self, name: str) -> Path:
-        """The path of a file this report writes (recorded in the manifest)."""
+        """The path of a file this report writes (recorded in the manifest); the folder is made on the first."""
+        self.out.mkdir(parents=True, exist_ok=True)
         self.written.add(name)
         return self.out / name
 
@@ -82,7 +86,9 @@ class Report:
     def figure(self, fig, name: str, caption: str) -> None:
         if fig is None:
             return
+        self.out.mkdir(parents=True, exist_ok=True)
         self.written.update(p.name for p in plots.save(fig, self.out / name, formats=self.formats))
+        self.holds.add("figure")
         link = f" ([SVG]({name}.svg))" if "svg" in self.formats else ""
         self.add(f"![{caption}]({name}.png)", f"*{caption}*{link}")
 
@@ -107,7 +113,9 @@ def default_budgets(c: np.ndarray) -> np.ndarray:
 # Sections
 # --------------------------------------------------------------------------------------------------
 
-def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
+def section_runs(rep: Report, col: Collection, variants: pd.Series) -> str:
+    """The Runs section; returns its text up to the list of every directory (what a report with nothing else
+    shows in the terminal)."""
     n_used = int((col.dirs["state"] != "skipped").sum())
     rep.add("## Runs", f"{len(col.dirs)} run directories: {n_used} used ({len(col.partial)} partially read), "
                        f"{len(col.skipped)} skipped.")
@@ -129,8 +137,10 @@ def section_runs(rep: Report, col: Collection, variants: pd.Series) -> None:
             every = every.merge(r[["run_id", "git_rev"]].rename(columns={"git_rev": "commit"}), on="run_id",
                                 how="left")
         rep.table(r.groupby(cols, dropna=False).agg(**agg).reset_index())
+    shown = "\n".join(rep.lines[rep.lines.index("## Runs"):]).rstrip()
     rep.add(f"<details><summary>Every run directory ({len(col.dirs)})</summary>", "", markdown_table(every), "",
             "</details>")
+    return shown
 
 
 def higher_is_better(col: Collection, metric: str) -> bool:
@@ -169,16 +179,16 @@ def section_also(rep: Report, col: Collection, args) -> None:
         rep.add(f"Full table: [{name}]({name}).")
 
 
-def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFrame]:
-    if col.runs.empty or args.metric not in col.runs:
-        return None
+def section_ablation(rep: Report, col: Collection, variants: pd.Series, args) -> pd.DataFrame:
+    """The ablation table with its figures and notes; the table is returned, empty when no switch has a
+    comparison (its attrs' notes say what kept the runs apart)."""
     table = directed_table(col, args, args.metric)
     notes = table.attrs.get("notes", [])
     if table.empty:
         if notes:
             rep.add("## Ablations", "No switch has runs differing from the baseline in that switch only.",
                     *[f"- {n}" for n in notes])
-        return None
+        return table
     print_ablation(table)
     ignored = ", ".join([*BOOKKEEPING, *[c for c in args.ignore.split(",") if c]])
     rep.add("## Ablations",
@@ -191,7 +201,8 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
             f"p-value; the verdict decided on `p (Holm)` at {ALPHA}; MDE: the smallest |delta| the test used detects "
             f"with power {POWER} at alpha {ALPHA} given the row's n and spread. `N / base`, `FLOPs/token / base`, "
             f"`tokens/s / base`: active parameters ({N_DEFINITIONS[args.n_def]}), FLOPs per token and throughput "
-            "against the baseline row; `MFU`: the lower of the two rows' median utilisation (speed/mfu), where "
+            "against the baseline row (throughput: the ratio of median tokens/s over seeds, in brackets the range "
+            "of the seed-paired ratios; none where runs shared their device); `MFU`: the lower of the two rows' median utilisation (speed/mfu), where "
             "logged and the runs had their device alone.", "",
             "**The test, chosen before the data:** two-sided paired t-test of the per-seed differences (a seed "
             "fixes both the initialisation and the data order, so it pairs an option's run with the baseline's); "
@@ -203,6 +214,7 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
                 (args.tune_seeds or f"seed >= {TUNE_SEED_MIN}") + "), reported on the other seeds. `rate` is the "
                 "rate each row used, `grid_edge` says when the choice lies at an edge of the grid tried (widen it).")
     rep.table(display_table(table))
+    rep.holds.add("ablation")
     table.to_csv(rep.path("ablation.csv"), index=False)
     rep.add("Full table (with every run id): [ablation.csv](ablation.csv).", *[f"- note: {n}" for n in notes])
     tuning = tuning_table(table)
@@ -239,7 +251,8 @@ def section_ablation(rep: Report, col: Collection, args) -> Optional[pd.DataFram
             rep.figure(plots.plot_maxvio(col.curves, runs, by=s, order=list(dict.fromkeys(label.values()))),
                        f"maxvio_{s}", f"MoE MaxVio by {s} option{where}")
     if "balance" not in set(table["switch"]) and "moe" not in set(table["switch"]):
-        rep.figure(plots.plot_maxvio(col.curves, col.runs, by="model"), "maxvio", "MoE MaxVio over training")
+        rep.figure(plots.plot_maxvio(col.curves, col.runs.assign(variant=variants), by="variant"), "maxvio",
+                   "MoE MaxVio over training by variant (the switches each run sets apart from the baseline)")
     return table
 
 
@@ -280,6 +293,7 @@ def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[M
     h = headline(table, mult, speed, min_mfu)
     if h.empty:
         return
+    rep.holds.add("headline")
     h.to_csv(rep.path("headline.csv"), index=False)
     ladder = ("" if mult is not None else " No ladder of the baseline here, so no compute multiplier: run a size "
               "ladder (sweeps/scaling_ladder.yaml) of the baseline and of the option to get one.")
@@ -289,19 +303,20 @@ def section_headline(rep: Report, at: int, table: pd.DataFrame, mult: Optional[M
                "that many times the FLOPs for the option's loss; * where the baseline's curve is extended beyond its "
                "points) with its seed-noise interval, and its trend over sizes; the multiplier of the shared "
                "L(C) fit only where that fit is adequate against the seed noise (*Compute multipliers* below); the "
-               "throughput against the baseline's from runs each alone on its device (where the ablation's runs "
-               "shared a GPU, from the --speed runs of the same size), beside their utilisation; and the wall-clock "
-               "multiplier = compute multiplier x tokens/s ratio x FLOPs/token ratio (> 1: the option reaches the "
-               f"loss sooner), given only at a utilisation of {100 * min_mfu:g}% or more (below it the step time is "
-               "mostly launches and host work, which do not scale with the model)." + ladder, "",
+               "throughput against the baseline's from runs each alone on its device (the ratio of median tokens/s "
+               "over seeds, in brackets the range of the seed-paired ratios; where the ablation's runs shared their "
+               "device, from the --speed runs of the same size, else none and why), beside their utilisation; and "
+               "the wall-clock multiplier = compute multiplier x tokens/s ratio x FLOPs/token ratio (> 1: the option "
+               f"reaches the loss sooner), given only at a utilisation of {100 * min_mfu:g}% or more (below it the "
+               "step time is mostly launches and host work, which do not scale with the model)." + ladder, "",
                markdown_table(display_headline(h)), "", "Table: [headline.csv](headline.csv).")
 
 
 def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarray) -> Optional[dict]:
     n, d, loss = df["N"].to_numpy(), df["D"].to_numpy(), df["loss"].to_numpy()
-    if len(df) < 6 or len(np.unique(size_groups(n))) < 3:
-        rep.add(f"### Approach 3 — {name}", f"Skipped: {len(df)} points, "
-                f"{len(np.unique(size_groups(n)))} sizes (needs >= 6 points and >= 3 sizes).")
+    reason = why_not(n, d)
+    if reason:
+        rep.add(f"### Approach 3 — {name}", f"Skipped: {reason}.")
         return None
     kappa, k_lo, k_hi = flops_per_param_token(n, d, df["C"].to_numpy())
     fit = fit_chinchilla(n, d, loss, grid=args.grid, kappa=kappa)
@@ -373,25 +388,20 @@ def definitions(args) -> str:
 
 def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows") -> None:
     df = df.dropna(subset=["N", "D", "C", "loss"])
-    if len(df) < 6:
+    reason = why_not(df["N"], df["D"])
+    if reason:
+        rep.add("## Scaling laws", definitions(args), f"Approaches 3 and 2: skipped: {reason}. L(C) and the compute "
+                "multipliers (below, where there are variants) need neither.")
         return
     rep.add("## Scaling laws", definitions(args))
-    ratio = (df["D"] / df["N"]).to_numpy()
-    if ratio.max() < 2 * ratio.min():  # approach 3 needs several D/N per size, approach 2 several sizes per budget
-        rep.add(f"Approaches 3 and 2: skipped. Every run has D/N between {ratio.min():.3g} and {ratio.max():.3g} "
-                "(one tokens-per-parameter ratio), so N's term cannot be told from D's, and each FLOP budget holds "
-                "one size. A ladder like this measures L(C) and the compute multipliers (below).")
-        return
-    budgets = (np.array([float(x) for x in args.budgets.split(",")]) if args.budgets
+    budgets = (np.array(parse_budgets(args.budgets)) if args.budgets
                else default_budgets(df["C"].to_numpy()))
     scen = {label: df}
     for sub in args.subset:
         name, _, q = sub.partition(":")
         scen[name.strip()] = df.query(q.strip() if q else name)
     for alt in args.alt_n:
-        column = alt if args.csv else N_DEFINITIONS.get(alt, alt)
-        if column not in df:
-            raise SystemExit(f"--alt-n {alt!r}: no such column; available: {list(df.columns)}")
+        column = alt if args.csv else N_DEFINITIONS[alt]
         scen[f"N = {alt}"] = df.assign(N=df[column].astype(float))
     results = {k: _approach3(rep, k, v, args, budgets) for k, v in scen.items()}
     results = {k: v for k, v in results.items() if v}
@@ -485,7 +495,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
             "variant is better); `extrapolated` where the baseline's end segment is extended beyond its points.")
     ps = mult.per_size
     rep.table(pd.DataFrame({"variant": ps["variant"], "N": ps["N"], "C": ps["C"], "seeds": ps["n"], "loss": ps["loss"],
-                            "multiplier [95% CI]": [_ci(*x) for x in zip(ps["multiplier"], ps["lo"], ps["hi"])],
+                            "multiplier [95% CI]": interval_texts(ps["multiplier"], ps["lo"], ps["hi"]),
                             "extrapolated": ps["extrapolated"], "crossover": ps["crossover"]}))
     if not mult.trends.empty:
         tr = mult.trends
@@ -493,7 +503,7 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
                 "interval from the same replicates: > 0 the gain grows with scale, < 0 it shrinks.")
         rep.table(pd.DataFrame({"variant": tr["variant"], "sizes": tr["sizes"],
                                 "of them extrapolated": tr["extrapolated"],
-                                "slope [95% CI]": [_ci(*x) for x in zip(tr["slope"], tr["lo"], tr["hi"])],
+                                "slope [95% CI]": interval_texts(tr["slope"], tr["lo"], tr["hi"]),
                                 "verdict": tr["verdict"], "crossovers": tr["crossovers"]}))
     fits = mult.fits
     rep.add("**L(C) fits against the seed noise.** L(C) = L_inf + A (C/C0)^-alpha, weighted least squares on the "
@@ -504,8 +514,8 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
             "multiplier is shown for the record, not as a result.")
     rep.table(pd.DataFrame({"fit": fits["kind"], "variant": fits["variant"], "points": fits["points"],
                             "L_inf": fits["L_inf"], "alpha": fits["alpha"], "A": fits["A"],
-                            "multiplier [95% CI]": [_ci(*x) if k == "shared" else "" for k, *x in zip(
-                                fits["kind"], fits["multiplier"], fits["lo"], fits["hi"])],
+                            "multiplier [95% CI]": interval_texts(*(fits[c].where(fits["kind"] == "shared")
+                                                                    for c in ("multiplier", "lo", "hi"))),
                             "chi2": fits["chi2"], "dof": fits["dof"], "p": fits["p"], "verdict": fits["verdict"]}))
     mult.table().to_csv(rep.path("multipliers.csv"), index=False)
     rep.add("Table (one row per variant and size, method per_size, and one per variant for the shared fit, method "
@@ -519,10 +529,6 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
     return mult
 
 
-def _ci(v, lo, hi) -> str:
-    return fmt(v) + (f" [{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) else "")
-
-
 # --------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -530,8 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(p)
     p.add_argument("--out", required=True, help="report folder (report.md, figures, ablation.csv)")
     p.add_argument("--speed", action="append", default=[], metavar="PATH",
-                   help="timing runs (repeatable), each option alone on its GPU: the headline's throughput ratio "
-                        "where the ablation's runs shared a GPU (summary.json's device_shared)")
+                   help="timing runs (repeatable), each option alone on its device: the headline's throughput ratio "
+                        "where the ablation's runs shared theirs (summary.json's device_shared)")
     p.add_argument("--title", default=None)
     add_ablation_args(p)
     p.add_argument("--also-metric", action="append", default=[], metavar="COLUMN",
@@ -557,71 +563,136 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llo-sizes", type=int, default=1, help="largest model sizes left out in the prediction check")
     p.add_argument("--iso-tol", type=float, default=0.05, help="dex within which runs share a FLOP budget")
     p.add_argument("--variant-col", default=None, help="CSV column naming the variant for L(C) and multipliers")
-    p.add_argument("--baseline-variant", default="baseline", help="variant the multipliers are relative to")
+    p.add_argument("--baseline-variant", default=None,
+                   help="variant the multipliers are relative to (default: baseline, the runs at the K3 default)")
     p.add_argument("--formats", default="png,svg", help="figure formats (png is always written)")
     p.add_argument("--lc-points", default="frontier", choices=["frontier", "all"],
                    help="points of each variant used for L(C) and the multipliers: its Pareto frontier or all")
     return p
 
 
+def check_settings(args) -> None:
+    """The report's own numbers and formats, in one line each (ValueError)."""
+    if args.seed_noise is not None and not args.seed_noise > 0:
+        raise ValueError(f"--seed-noise {args.seed_noise}: must be a standard deviation > 0")
+    if not 0 <= args.min_mfu <= 1:
+        raise ValueError(f"--min-mfu {args.min_mfu}: a utilisation between 0 and 1")
+    for name in ("n_boot", "n_boot_small", "n_boot_multipliers"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: a number of replicates, >= 0")
+    if args.llo_sizes < 1 or not args.iso_tol > 0:
+        raise ValueError(f"--llo-sizes {args.llo_sizes} (>= 1) and --iso-tol {args.iso_tol} (> 0)")
+    formats = [f for f in args.formats.split(",") if f]
+    supported = plots.FORMATS
+    for f in formats:
+        if f not in supported:
+            raise ValueError(not_valid("--formats", f, "a figure format", supported))
+    if args.budgets:
+        parse_budgets(args.budgets)
+
+
+def check_scaling_options(df: pd.DataFrame, args, variants: list[str]) -> None:
+    """--alt-n, --subset and --baseline-variant against the table the scaling sections read (ValueError)."""
+    valid = list(df.columns) if args.csv else [k for k, column in N_DEFINITIONS.items() if column in df]
+    for alt in args.alt_n:
+        if alt not in valid:
+            raise ValueError(not_valid("--alt-n", alt, "a CSV column" if args.csv else "a count of N these runs have",
+                                       valid))
+    for sub in args.subset:
+        name, _, query = sub.partition(":")
+        check_query(df, (query or name).strip(), "--subset")
+    if args.baseline_variant is not None and args.baseline_variant not in variants:
+        raise ValueError(not_valid("--baseline-variant", args.baseline_variant, "a variant of these runs", variants))
+
+
 def main(argv: Optional[list[str]] = None) -> Path:
     args = build_parser().parse_args(argv)
-    if not args.csv and not args.paths:
-        raise SystemExit("analysis.report: give run directories (or globs) or --csv FILE")
-    try:  # read the sources first: a missing one stops here, with one line and nothing written
+    try:  # every option against the sources first: a mistake stops here, in one line, nothing computed or written
+        if not args.csv and not args.paths:
+            raise ValueError("give run directories (or globs) or --csv FILE")
+        check_out_folder(args.out)
+        check_settings(args)
         if args.csv:
             df = scaling_table_from_args(args)
+            if args.variant_col and args.variant_col not in df:
+                raise ValueError(not_valid("--variant-col", args.variant_col, "a CSV column", df.columns))
+            if args.variant_col:
+                df["variant"] = df[args.variant_col].astype(str)
+            check_scaling_options(df, args, sorted(set(df["variant"])) if "variant" in df else [])
         else:
-            col = collect(args.paths, verbose=True)
+            col = collect(args.paths)
+            require_runs(col, args.paths)
+            check_ablation_options(col.runs, args)
             read_primary(args.primary, col.runs)
-        speed_runs = collect(args.speed, curves=False).runs if args.speed else None
-        if args.seed_noise is not None and not args.seed_noise > 0:
-            raise ValueError(f"--seed-noise {args.seed_noise}: must be a standard deviation > 0")
-        if not 0 <= args.min_mfu <= 1:
-            raise ValueError(f"--min-mfu {args.min_mfu}: a utilisation between 0 and 1")
+            variants = variant_labels(col.runs, parse_baseline(args.baseline))
+            df = scaling_from_runs(col.runs.assign(variant=variants), args)
+            base_variant = args.baseline_variant or "baseline"
+            if df is not None:
+                check_scaling_options(df[df["variant"] == base_variant], args, sorted(set(variants)))
+        speed_runs = None
+        if args.speed:
+            speed = collect(args.speed, curves=False)
+            require_runs(speed, args.speed)
+            speed_runs = speed.runs
     except (FileNotFoundError, ValueError, KeyError) as e:
-        raise SystemExit(f"analysis.report: {e}") from None
-    out = Path(args.out)
-    rep = Report(out, tuple(f for f in args.formats.split(",") if f))
+        raise SystemExit(f"analysis.report: {one_line(e)}") from None
+    args.baseline_variant = args.baseline_variant or "baseline"
+    rep = Report(Path(args.out), tuple(f for f in args.formats.split(",") if f))
     src = args.csv or " ".join(args.paths)
     rep.add(f"# {args.title or 'Analysis report: ' + src}",
             f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by",
             "```", "python -m analysis.report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])), "```")
     if args.csv:
-        if args.variant_col:
-            df["variant"] = df[args.variant_col].astype(str)
         rep.add(f"Source: `{args.csv}`, {len(df)} rows after selection "
-                f"(drop-highest {args.drop_highest}, best-of '{args.best_of}', where {args.where}).")
+                f"(drop-highest {args.drop_highest}, best-of '{args.best_of}', where {' and '.join(args.where) or '-'}).")
         section_scaling(rep, df, args)
         section_multipliers(rep, df, args)
+        missing = (f"{len(df)} rows after selection; approach 3: {why_not(df['N'], df['D']) or 'no fit'}; compute "
+                   "multipliers: " + ("need --variant-col" if not args.variant_col else
+                                      f"need the baseline variant {args.baseline_variant!r} at >= 2 sizes and another "
+                                      "variant"))
     else:
-        variants = variant_labels(col.runs, parse_baseline(args.baseline)) if not col.runs.empty else pd.Series(dtype=str)
-        section_runs(rep, col, variants)
+        print_dirs(col)
+        runs_text = section_runs(rep, col, variants)
         headline_at = len(rep.lines)
         try:
-            table = section_ablation(rep, col, args)
+            table = section_ablation(rep, col, variants, args)
         except ValueError as e:  # e.g. a primary comparison with no row to compare
             raise SystemExit(f"analysis.report: {e}") from None
         section_also(rep, col, args)
         mult = None
-        if not col.runs.empty and N_DEFINITIONS[args.n_def] in col.runs:
-            df = runs_to_scaling(col.runs.assign(variant=variants), args.n_def, args.c_def, args.d_col, args.loss_col)
-            df = select_rows(df, args.drop_highest, _split(args.best_of), args.where)
+        if df is not None:
             base = df[df["variant"] == args.baseline_variant]
-            if len(base) >= 6 and len(np.unique(size_groups(base["N"]))) >= 3:
+            if len(base) >= MIN_POINTS and len(np.unique(size_groups(base["N"]))) >= MIN_SIZES:
                 rep.add("Approaches 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every variant.")
                 section_scaling(rep, base, args, label=args.baseline_variant)
             mult = section_multipliers(rep, df, args)
-        if table is not None:
+        if not table.empty:
             speed = None
             if speed_runs is not None:
                 speed = table_from_args(speed_runs, argparse.Namespace(**{**vars(args), "tune": False, "primary": None}))
-                rep.add(f"Throughput where the ablation's runs shared a GPU: from the {len(speed_runs)} timing "
-                        f"runs of {' '.join(args.speed)}.")
+                rep.add(f"Throughput where the ablation's runs shared their device: from the {len(speed_runs)} "
+                        f"timing runs of {' '.join(args.speed)}.")
             section_headline(rep, headline_at, table, mult, speed, args.min_mfu)
+        missing = what_is_missing(col.runs, variants, table.attrs.get("notes", []), N_DEFINITIONS[args.n_def])
+    if not rep.holds:  # no headline, no ablation, no figure: an empty report is no success
+        if not args.csv:
+            print(runs_text)
+        raise SystemExit(f"analysis.report: nothing to report, so nothing written to {args.out}: {missing}")
     path = rep.write()
     print(f"report: {path}")
     return path
+
+
+def scaling_from_runs(runs: pd.DataFrame, args) -> Optional[pd.DataFrame]:
+    """The runs as the scaling table (N, D, C, loss by --n, --c, --d-col, --loss-col; --drop-highest, --best-of,
+    --where applied), the options checked against them; None when the runs have no parameter count."""
+    if N_DEFINITIONS[args.n_def] not in runs:
+        return None
+    check_metric(runs, args.loss_col, "--loss-col")
+    check_numeric_column(runs, args.d_col, "--d-col")
+    df = runs_to_scaling(runs, args.n_def, args.c_def, args.d_col, args.loss_col)
+    return select_rows(df, args.drop_highest, _split(args.best_of), args.where)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from analysis.approach3 import bootstrap_chinchilla, fit_chinchilla, flops_per_param_token
+from analysis.approach3 import bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, why_not
+from analysis.checks import one_line, parse_budgets
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -28,7 +29,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--budgets", default="1e18,1e20,1e22", help="FLOP budgets for N_opt, D_opt (comma list)")
     args = p.parse_args(argv)
-    table = scaling_table_from_args(args)
+    try:  # the sources and options first: a mistake, or too few points for a fit, stops here in one line
+        table = scaling_table_from_args(args)
+        reason = why_not(table["N"], table["D"])
+        if reason:
+            raise ValueError(f"no approach-3 fit: {reason}")
+        budgets = parse_budgets(args.budgets)
+        if args.n_boot < 0:
+            raise ValueError(f"--n-boot {args.n_boot}: a number of replicates, >= 0")
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise SystemExit(f"analysis.scaling: {one_line(e)}") from None
     kappa, k_lo, k_hi = flops_per_param_token(table["N"], table["D"], table["C"])
     fit = fit_chinchilla(table["N"], table["D"], table["loss"], grid=args.grid, kappa=kappa)
     print(f"approach 3 on {fit.n_points} points, {fit.n_starts} starts ({fit.n_near_best} reach the best), "
@@ -36,7 +46,6 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"(median C/(ND); {k_lo:.4g} to {k_hi:.4g})")
     for k, v in fit.params().items():
         print(f"  {k:>20s} = {v:.6g}")
-    budgets = [float(x) for x in args.budgets.split(",")]
     if args.n_boot:
         boot = bootstrap_chinchilla(table["N"], table["D"], table["loss"], n_boot=args.n_boot, seed=args.seed,
                                     init=fit.theta, progress=True, kappa=kappa)

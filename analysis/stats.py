@@ -7,8 +7,8 @@ delta = mean(option) - mean(baseline), its 95% CI and p-value from a paired t-te
 when both sides have the same >= 2 seeds, else Welch's t-test (ttest_ind, equal_var=False). holm: p-values
 adjusted by Holm's step-down method (statsmodels multipletests); verdicts are decided on them at ALPHA. The
 minimum detectable effect is the smallest |delta| the test used detects with power POWER at ALPHA given n and
-the spread (mde_paired: statsmodels TTestPower; mde_welch: by simulation, since Welch's degrees of freedom
-are estimated).
+the spread (mde_paired: the root of the paired test's noncentral-t power, paired_power; mde_welch: by
+simulation, since Welch's degrees of freedom are estimated).
 """
 from __future__ import annotations
 
@@ -33,16 +33,36 @@ def describe(x: np.ndarray, level: float = 0.95) -> dict:
     return {"n": n, "mean": mean, "std": std, "ci_lo": float(lo), "ci_hi": float(hi)}
 
 
+def paired_power(effect_size: float, n, alpha: float) -> np.ndarray:
+    """Power of the two-sided one-sample (paired) t-test on n differences (scalar or array) at `alpha` for a
+    true mean of effect_size standard deviations: with c = t_{1-alpha/2, n-1} and the noncentrality
+    nc = d sqrt(n), P(T > c) + P(T < -c) for T noncentral t (statsmodels' TTestPower.power). The lower tail is
+    taken as P(T' > c) for T' of noncentrality -nc, the same probability by symmetry: scipy's noncentral-t cdf
+    returns NaN there at large effects and few seeds (d = 5, n = 3), where statsmodels gives NaN."""
+    n = np.atleast_1d(np.asarray(n, float))
+    df, nc = n - 1, effect_size * np.sqrt(n)
+    c = stats.t.ppf(1 - alpha / 2, df)
+    return stats.nct.sf(c, df, nc) + stats.nct.sf(c, df, -nc)
+
+
 def mde_paired(sd_diff: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """Minimum detectable effect of a two-sided paired t-test on n pairs: MDE = d* x sd_diff, where d* is
-    the effect size (mean difference / sd of the differences) that a one-sample t-test (df n - 1,
-    noncentrality d sqrt(n)) detects with `power` at `alpha` (statsmodels TTestPower.solve_power)."""
+    the effect size (mean difference / sd of the differences) at which the test has `power` at `alpha`:
+    the root of paired_power(d, n, alpha) = power (brentq; the power grows with d from alpha at d = 0).
+    statsmodels' TTestPower.solve_power is not used: its power is NaN at large effects and few seeds, where
+    its root finder stops at a wrong value without a word (n = 2, power 0.9: d* = 10.0, at which the power
+    is 0.73)."""
     if n < 2 or not np.isfinite(sd_diff) or sd_diff <= 0:
         return np.nan
-    from statsmodels.stats.power import TTestPower
+    from scipy.optimize import brentq
 
-    d = TTestPower().solve_power(effect_size=None, nobs=n, alpha=alpha, power=power, alternative="two-sided")
-    return float(np.squeeze(d)) * float(sd_diff)
+    def short(d: float) -> float:
+        return float(paired_power(d, n, alpha)[0]) - power
+
+    hi = 1.0
+    while short(hi) < 0:
+        hi *= 2
+    return float(brentq(short, 0.0, hi, xtol=1e-12, rtol=1e-12)) * float(sd_diff)
 
 
 WELCH_SIMULATIONS = 100_000

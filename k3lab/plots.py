@@ -24,12 +24,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3lab.model.residual import SATURATED_WEIGHT  # noqa: E402
-from k3lab.rundir import read_metrics  # noqa: E402
+from k3lab.rundir import read_metrics, read_summary  # noqa: E402
+from k3lab.switches import K3_DEFAULT  # noqa: E402
+
+
+def run_title(summary: dict) -> str:
+    """What a run is, from its summary.json: the switches it sets apart from the K3 default (or "K3
+    default"), then its model, data and seed: 'glu=swiglu, optim=adamw\nmodel tiny, data sotu, seed 0'."""
+    switches = summary.get("switches") or {}
+    differ = [f"{k}={v}" for k, v in switches.items() if K3_DEFAULT.get(k) != v]
+    rest = [f"{k} {summary[k]}" for k in ("model", "data", "seed") if summary.get(k) is not None]
+    return "\n".join([", ".join(differ) or "K3 default", ", ".join(rest)]).strip()
 
 
 def write_run_plots(run_dir: Path) -> None:
-    """Per-run figures in <run_dir>/plots: the loss curves, and MoE MaxVio when the model routes."""
+    """Per-run figures in <run_dir>/plots: the loss curves with the unigram entropy (the loss of a model
+    that knows only token frequencies; summary.json's unigram_entropy), and MoE MaxVio when the model
+    routes; each titled with what the run is (run_title)."""
     rows = read_metrics(run_dir)
+    summary = read_summary(run_dir)
     (run_dir / "plots").mkdir(exist_ok=True)
     panels = [("loss", ["loss/train", "loss/val"]), ("maxvio", ["moe/maxvio"])]
     for name, keys in panels:
@@ -40,12 +53,15 @@ def write_run_plots(run_dir: Path) -> None:
         for k, pts in series.items():
             if pts:
                 ax.plot(*zip(*pts), label=k, marker="." if k == "loss/val" else None)
+        unigram = summary.get("unigram_entropy")
+        if name == "loss" and unigram is not None:
+            ax.axhline(unigram, color="0.5", ls="--", lw=1, label=f"unigram entropy {unigram:.3f}")
         ax.set_xlabel("step")
         ax.set_ylabel(name)
         if name == "maxvio":
             ax.set_yscale("log")
-        ax.set_title(run_dir.name, fontsize=8)
-        ax.legend()
+        ax.set_title(run_title(summary) if summary else run_dir.name, fontsize=8)
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(run_dir / "plots" / f"{name}.png", dpi=110)
         plt.close(fig)

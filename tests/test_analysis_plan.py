@@ -7,8 +7,9 @@ import pytest
 from scipy import stats
 from statsmodels.stats.power import TTestPower
 
-from analysis.plan import (PilotNoise, PlannedRun, main, paired_power, pilot_noise, plan_cost, plan_runs,
-                           seeds_for_mde, upper_bound, window_sd)
+from analysis.plan import (PilotNoise, PlannedRun, main, pilot_noise, plan_cost, plan_runs, seeds_for_mde,
+                           upper_bound, window_sd)
+from analysis.stats import paired_power
 from analysis.synthetic import write_ablation_sweep
 
 @pytest.mark.parametrize("sd, mde, k", [(0.03, 0.03, 1), (0.03, 0.03, 2), (0.0319, 0.03, 2), (0.01, 0.05, 6)])

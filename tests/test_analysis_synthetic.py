@@ -14,12 +14,12 @@ import pytest
 from scipy import stats
 from scipy.optimize import check_grad
 
-from analysis.ablate import ablation_table
+from analysis.ablate import ablation_table, display_table
 from analysis.approach3 import (bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, huber_lse_objective,
                                 init_grid, leave_largest_out)
 from analysis.cells import variant_labels
 from analysis.collect import collect, load_csv, runs_to_scaling, select_rows
-from analysis.headline import headline
+from analysis.headline import display_headline, headline
 from analysis.isoflop import fit_isoflop
 from analysis.stats import holm, mde_paired, mde_welch
 from analysis.tuning import next_commands, tuning_table
@@ -244,7 +244,7 @@ def test_a_ladder_at_one_tokens_per_parameter_ratio_skips_approaches_3_and_2_and
 
     write_scaling_ladder(tmp_path / "runs", sizes=np.geomspace(1e5, 3e7, 6))
     text = report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--n-boot-small", "10"]).read_text()
-    assert "Approaches 3 and 2: skipped. Every run has D/N between 20 and 20" in text
+    assert "Approaches 3 and 2: skipped: every run has D/N between 20 and 20" in text
     assert "### Approach 3" not in text and "### Approach 2" not in text
     assert "### Compute multipliers" in text and "(multipliers.csv)" in text
 
@@ -511,6 +511,26 @@ def test_mde_is_the_effect_the_test_detects_with_power_08():
     assert mde_welch(0.02, 3, 0.02, 3) > TTestIndPower().solve_power(nobs1=3, ratio=1, alpha=0.05, power=0.8) * 0.02
 
 
+def test_the_paired_mde_holds_its_power_where_statsmodels_solver_fails():
+    """Few seeds and a small alpha need large effects, where statsmodels' TTestPower.solve_power ends at a wrong
+    root (n = 2, power 0.9: 10.0, power 0.73 there). The MDE is the root of the paired test's power at every
+    (n, alpha, power) here, and 200,000 simulated paired t-tests at the MDE reject at that rate (Monte Carlo
+    error of a rate of 0.9: 0.0007; bound 0.004)."""
+    from analysis.stats import paired_power
+
+    for n in (2, 3, 4, 10):
+        for alpha in (0.05, 0.01, 0.001):
+            for power in (0.8, 0.9, 0.95):
+                mde = mde_paired(1.0, n, alpha, power)
+                assert paired_power(mde, n, alpha)[0] == pytest.approx(power, abs=1e-9), (n, alpha, power)
+    rng = np.random.default_rng(3)
+    for n, alpha in ((2, 0.05), (3, 0.01)):
+        mde = mde_paired(0.02, n, alpha, 0.9)
+        x = rng.normal(mde, 0.02, (200_000, n))
+        rate = np.mean(stats.ttest_1samp(x, 0.0, axis=1).pvalue < alpha)
+        assert rate == pytest.approx(0.9, abs=0.004), (n, alpha)
+
+
 def test_not_significant_rows_carry_their_mde_and_small_n_is_flagged():
     """A null effect: the verdict is 'not significant' with the MDE of the paired test at this n and spread;
     n = 2 seeds is said on the row. N and FLOPs per token are shown against the baseline."""
@@ -544,7 +564,7 @@ def test_runs_that_shared_a_gpu_give_no_throughput_ratio_and_the_headline_takes_
     for seed in (0, 1, 2):
         noise = rng.normal(0, 0.01)
         rows.append(dict(base, tokens=1e8, seed=seed, loss_val_final=3.0 + noise, tokens_per_s_median=900.0,
-                         device_shared=True))
+                         device_shared=True, device_shared_why="load 3.1 on 2 cores"))
         rows.append(dict(base, glu="swiglu", tokens=1e8, seed=seed, loss_val_final=3.1 + noise,
                          tokens_per_s_median=1100.0, device_shared=True))
     rows.append(dict(base, tokens=1e6, seed=0, loss_val_final=4.0, tokens_per_s_median=1000.0, device_shared=False))
@@ -553,11 +573,33 @@ def test_runs_that_shared_a_gpu_give_no_throughput_ratio_and_the_headline_takes_
     tab = ablation_table(pd.DataFrame(rows))
     study = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e8)].iloc[0]
     timing = tab[(tab["option"] == "swiglu") & (tab["tokens"] == 1e6)].iloc[0]
-    assert np.isnan(study["tokens_per_s_rel"]) and "shared a GPU" in study["warnings"]
+    assert np.isnan(study["tokens_per_s_rel"]) and np.isnan(study["tokens_per_s_lo"])
+    assert "no throughput ratio: runs shared their device (6 of 6 runs: load 3.1 on 2 cores)" in study["warnings"]
     assert timing["tokens_per_s_rel"] == pytest.approx(0.8) and "shared" not in timing["warnings"]
     head = headline(tab).set_index("option").loc["swiglu"]
     assert head["tokens_per_s_rel"] == pytest.approx(0.8) and head["tokens"] == 1e8
     assert head["delta"] == pytest.approx(0.1)
+    alone = tab[tab["tokens"] == 1e6].index
+    shown = display_headline(headline(tab.drop(index=alone))).iloc[0]  # no cell timed alone: no ratio, and why
+    assert shown["tokens/s ratio [seed range]"] == ("— (no throughput ratio: runs shared their device (6 of 6 runs: "
+                                                    "load 3.1 on 2 cores))")
+
+
+def test_a_throughput_ratio_is_the_ratio_of_medians_with_the_range_of_the_seed_paired_ratios():
+    """Option runs at 1100, 1000, 1200 tokens/s and baseline runs at 1000, 1000, 800 on seeds 0, 1, 2: the
+    ratio is 1100 / 1000, the range that of 1.1, 1.0, 1.5; one paired seed gives no range."""
+    base = {**analysis_default(), "model": "tiny", "data": "sotu", "params_active_non_embedding": 1e6,
+            "flops_per_token": 6e6, "tokens": 1e6}
+    rows = [dict(base, seed=s, loss_val_final=3.0 + 0.01 * s, tokens_per_s_median=b)
+            for s, b in enumerate((1000., 1000., 800.))]
+    rows += [dict(base, glu="swiglu", seed=s, loss_val_final=3.1 + 0.01 * s, tokens_per_s_median=v)
+             for s, v in enumerate((1100., 1000., 1200.))]
+    row = ablation_table(pd.DataFrame(rows)).set_index("option").loc["swiglu"]
+    assert (row["tokens_per_s_rel"], row["tokens_per_s_lo"], row["tokens_per_s_hi"]) == pytest.approx((1.1, 1.0, 1.5))
+    assert display_table(ablation_table(pd.DataFrame(rows)))["tokens/s / base [seed range]"].tolist()[-1] == \
+        "1.100 [1.000, 1.500]"
+    one = ablation_table(pd.DataFrame([rows[0], rows[3]])).set_index("option").loc["swiglu"]
+    assert one["tokens_per_s_rel"] == pytest.approx(1.1) and np.isnan(one["tokens_per_s_lo"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -672,6 +714,36 @@ def test_delta_plot_explains_its_colours(sweep):
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert any(t.startswith("worse") for t in texts) and any(t.startswith("better") for t in texts)
     assert any("not significant" in t for t in texts) and "Holm" in fig.legends[0].get_title().get_text()
+
+
+def test_a_delta_plot_of_one_row_keeps_its_legend_inside_the_figure(sweep):
+    """One option of one switch: the narrowest figure the plot draws; its legend lies within it."""
+    from analysis.plots import plot_ablation
+
+    root, _ = sweep
+    runs = collect([root], curves=False).runs
+    one = runs[runs["run_id"].str.startswith(("baseline-", "glu-swiglu-"))]
+    fig = plot_ablation(ablation_table(one))
+    fig.canvas.draw()
+    box, page = fig.legends[0].get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+
+
+def test_the_reports_maxvio_figure_colours_runs_by_variant(tmp_path, monkeypatch):
+    """MoE runs of SiTU and SwiGLU (no balance or moe comparison): the report's MaxVio figure has one colour
+    per variant, 'baseline' and 'glu=swiglu', not one per model."""
+    from analysis import plots
+    from analysis.report import main as report
+
+    rng = np.random.default_rng(0)
+    for option, maxvio in (("situ", 1.0), ("swiglu", 3.0)):
+        for seed in (0, 1):
+            write_run(tmp_path / "runs" / f"glu-{option}-s{seed}", {**analysis_default(), "glu": option}, seed, 1e6,
+                      2e7, 0.01 * (option == "swiglu"), rng, maxvio=maxvio)
+    drawn = []
+    monkeypatch.setattr(plots, "plot_maxvio", lambda curves, runs, by, **kw: drawn.append(set(runs[by])))
+    report([str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--formats", "png"])
+    assert drawn == [{"baseline", "glu=swiglu"}]
 
 
 def test_log_axis_panels_leave_out_step_0_and_show_short_runs(tmp_path):
