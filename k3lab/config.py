@@ -29,6 +29,8 @@ DATASETS = ("sotu", "text", "mqar", "tokens")
 TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
+SCHEDULES = ("cosine", "wsd")      # optim.schedule (k3lab/optim/build.py lr_lambda)
+DECAY_SHAPES = ("sqrt", "linear")  # optim.decay_shape under wsd
 
 
 def check_choice(key: str, value: str, valid: tuple[str, ...]) -> None:
@@ -219,8 +221,29 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 50
     warmup_frac: Optional[float] = None  # set: the warm-up is this fraction of the run's steps (replaces warmup_steps)
-    min_lr_ratio: float = 0.1    # cosine decays to this fraction of the peak
+    min_lr_ratio: float = 0.1    # the schedule ends at this fraction of the peak (cosine and wsd alike)
+    schedule: str = "cosine"     # cosine | wsd: warm-up, stable at the peak, decay over the last decay_frac
+    decay_frac: float = 0.2      # wsd: the share of the run's steps over which the rate decays
+    decay_shape: str = "sqrt"    # wsd: sqrt (1 - sqrt(p), arXiv:2405.18392) | linear (1 - p)
     grad_clip: float = 1.0
+
+    def check(self) -> "OptimConfig":
+        check_option("optim", self.name)
+        check_choice("optim.ns_method", self.ns_method, NS_METHODS)
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_choice("optim.decay_shape", self.decay_shape, DECAY_SHAPES)
+        if not self.lr_scale > 0:
+            raise ConfigError(f"optim.lr_scale={self.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
+        if not 0 < self.decay_frac < 1:
+            raise ConfigError(f"optim.decay_frac={self.decay_frac} must be in (0, 1): the share of the run the "
+                              "WSD decay takes")
+        default = OptimConfig()
+        if self.schedule != "wsd":
+            for key in ("decay_frac", "decay_shape"):
+                if getattr(self, key) != getattr(default, key):
+                    raise ConfigError(f"optim.{key}={getattr(self, key)} acts with optim.schedule=wsd only "
+                                      f"(optim.schedule={self.schedule}): set optim.schedule=wsd, or drop it")
+        return self
 
 
 @dataclass
@@ -420,11 +443,7 @@ def check_config(cfg: DictConfig) -> None:
         with reading_data():
             tokens.read_meta(data.path)
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
-    optim = typed(OptimConfig, cfg.optim)
-    check_option("optim", optim.name)
-    check_choice("optim.ns_method", optim.ns_method, NS_METHODS)
-    if not optim.lr_scale > 0:
-        raise ConfigError(f"optim.lr_scale={optim.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
+    typed(OptimConfig, cfg.optim).check()
     typed(TrainerConfig, cfg.trainer).check()
     compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()

@@ -14,6 +14,12 @@ Options (`optim.name`):
 All three use the same AdamW arithmetic for the tensors `split_params` sends to AdamW, so an option
 changes only how the hidden matrices are updated.
 
+The schedule (`optim.schedule`, lr_lambda): a linear warm-up, then either a cosine to `min_lr_ratio` at the
+run's last step (cosine), or warm-up, stable and decay (wsd: the peak rate held until the last `decay_frac`
+of the run, then a linear or 1-sqrt decay to `min_lr_ratio`; Hu et al. MiniCPM, arXiv:2404.06395; Hagele
+et al., arXiv:2405.18392; Wen et al., arXiv:2410.05192). Both end at the same floor, so a comparison of the
+two differs in the shape alone; `optim.min_lr_ratio=0` gives the decay to zero of Hagele et al.
+
 Gradient clipping (`optim.grad_clip`) is the LightningModule's: K3LitModule.configure_gradient_clipping
 takes the norm of the DDP-averaged gradients before `step` and hands the factor to `Muon.scale_grads`.
 """
@@ -103,19 +109,42 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return max(steps, 1) if cfg.warmup_frac > 0 else 0
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier of the peak LR for optimizer step s (0-based): linear warmup (s+1)/warmup reaching 1
-    at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after.
-    Runs too short for the warmup (debug runs) warm up over half of their steps instead."""
+def decay_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The steps of the final decay under optim.schedule=wsd: `decay_frac` of total_steps rounded to the
+    nearest step (0 under cosine, whose decay spans the whole run after the warm-up)."""
+    return round(cfg.decay_frac * total_steps) if cfg.schedule == "wsd" else 0
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float, schedule: str = "cosine",
+              decay_steps: int = 0, decay_shape: str = "sqrt"):
+    """Multiplier of the peak LR for optimizer step s (0-based); the same linear warm-up (s+1)/warmup,
+    reaching 1 at s = warmup-1, under both schedules, then:
+
+    cosine  from 1 at s = warmup down to min_lr_ratio at s = total_steps;
+    wsd     1 (the stable phase) until the decay starts at b = total_steps - decay_steps, then from 1 at
+            s = b down to min_lr_ratio at s = total_steps along p = (s - b) / decay_steps:
+            linear 1 - p, or sqrt 1 - sqrt(p) (the "1-sqrt" cooldown of Hagele et al., arXiv:2405.18392,
+            which ends lower than linear at the same length); decay_steps = 0 is the stable phase alone
+            (the trunk of cooldown branches, k3lab/branches.py).
+
+    Flat at the end value after total_steps. Runs too short for the warm-up (debug runs) warm up over half
+    of their steps instead; a WSD decay that would start inside the warm-up starts at its end."""
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be positive")
     warmup_steps = min(warmup_steps, total_steps // 2)
+    decay_start = max(total_steps - decay_steps, warmup_steps)
+    shapes = {"linear": lambda p: 1 - p, "sqrt": lambda p: 1 - math.sqrt(p)}
+    shape = shapes[decay_shape]
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "cosine":
+            progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < decay_start or decay_start == total_steps:
+            return 1.0
+        return min_lr_ratio + (1 - min_lr_ratio) * shape(min(1.0, (step - decay_start) / (total_steps - decay_start)))
 
     return factor
 
@@ -124,9 +153,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
                     ) -> tuple[Muon, torch.optim.lr_scheduler.LambdaLR]:
     """The run's optimizer and its per-step scheduler (call `scheduler.step()` after each `opt.step()`)."""
     opt = Muon(param_groups(model, cfg))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps(cfg, total_steps), total_steps,
-                                                             cfg.min_lr_ratio))
-    return opt, sched
+    factor = lr_lambda(warmup_steps(cfg, total_steps), total_steps, cfg.min_lr_ratio, cfg.schedule,
+                       decay_steps(cfg, total_steps), cfg.decay_shape)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def lightning_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dict:
