@@ -313,10 +313,19 @@ class TrainConfig:
     activation_memory_budget: float = 1.0  # compiled models: the fraction of activation memory the backward may keep
     overfit_batches: int = 0     # >0: train (and validate) on that many fixed batches (debug=overfit)
     preempt_signal: Optional[str] = "USR2"  # save at the next logging step and stop (k3lab/preempt.py)
+    branches: Optional[list[float]] = None  # a WSD trunk: the budgets of its cooldown branches (k3lab/branches.py)
+    trunk: Optional[str] = None  # a cooldown branch: its trunk's run name, a sibling directory of this run's
 
     def check(self) -> "TrainConfig":
         check_at_least("train", self, 1, "val_every", "log_every")
         check_at_least("train", self, 0, "ckpt_every", "val_batches", "overfit_batches")
+        if self.branches is not None:
+            if not self.branches or any(not b > 0 for b in self.branches):
+                raise ConfigError(f"train.branches={list(self.branches)} must list positive budgets, in the unit of "
+                                  "the run-length key (tokens per parameter, FLOPs or steps), e.g. [5,10,20]")
+            if self.trunk is not None:
+                raise ConfigError(f"train.branches and train.trunk={self.trunk} are both set: a run is a trunk (its "
+                                  "branches listed) or a branch (its trunk named), not both")
         if not 0 < self.activation_memory_budget <= 1:
             raise ConfigError(f"train.activation_memory_budget={self.activation_memory_budget} must be in (0, 1]: "
                               "1 keeps what the compiler would, smaller recomputes more in the backward")
@@ -443,7 +452,12 @@ def check_config(cfg: DictConfig) -> None:
         with reading_data():
             tokens.read_meta(data.path)
     model_config(cfg, vocab_size=1)  # every switch, the kernels backend and the model's shape
-    typed(OptimConfig, cfg.optim).check()
+    optim = typed(OptimConfig, cfg.optim).check()
+    train = typed(TrainConfig, cfg.train)
+    if (train.branches is not None or train.trunk is not None) and optim.schedule != "wsd":
+        key = f"train.branches={list(train.branches)}" if train.branches is not None else f"train.trunk={train.trunk}"
+        raise ConfigError(f"{key} needs optim.schedule=wsd (cooldown branches decay from a stable trunk), not "
+                          f"optim.schedule={optim.schedule}")
     typed(TrainerConfig, cfg.trainer).check()
     compile_mode(cfg)
     logger = typed(LoggerConfig, cfg.logger).check()

@@ -83,6 +83,18 @@ def remove_checkpoint(path: Path) -> None:
             shutil.rmtree(version)
 
 
+def branch_checkpoint(run_dir: Path, step: int) -> Path:
+    """Where a WSD trunk keeps its state at branch point `step`, the start of a cooldown branch
+    (k3lab/branches.py): checkpoints/branch-<step>.ckpt, written like last.ckpt (whole or not at all)."""
+    return Path(run_dir) / "checkpoints" / f"branch-{step}.ckpt"
+
+
+def branch_checkpoint_steps(run_dir: Path) -> list[int]:
+    """The branch points a trunk's run directory holds a checkpoint of, in order."""
+    found = (re.fullmatch(r"branch-(\d+)\.ckpt", p.name) for p in (Path(run_dir) / "checkpoints").glob("branch-*"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
 def checkpoint_step(path: Path) -> int:
     """The optimizer step a checkpoint was taken at: from the file itself, or from a sharded checkpoint's
     meta.pt (the shards are not read). UnreadableCheckpoint when it cannot be loaded; the checkpoint is left
@@ -199,6 +211,10 @@ class Summary:
         self.t0 = time.time() - elapsed_s
         self.write()
 
+    def add_elapsed(self, seconds: float) -> None:
+        """Count `seconds` of training that preceded this process (a branch's shared prefix) in wall_time_s."""
+        self.t0 -= seconds
+
     def update(self, **fields: Any) -> None:
         self.data.update({k: _plain(v) for k, v in fields.items()})
         self.data["wall_time_s"] = round(time.time() - self.t0, 2)
@@ -312,6 +328,9 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
         a checkpoint (killed, failed, running)  resume    continue from checkpoints/last.ckpt
         failed or dead before any checkpoint    restart   start at step 0 again
 
+    A cooldown branch (train.trunk set) starts its new and restarted runs from its trunk's checkpoint at its
+    branch point instead of step 0 (k3lab/branches.py); a new or restarted run drops the branch-point
+    checkpoints of an earlier run in its directory with its other files.
     `resume=<dir>` or `resume=last` names the directory instead and requires a checkpoint. A directory
     whose lock a live process holds raises RunDirBusy. The decision is taken while holding the lock, from
     what the directory holds then (a process that held it may have completed the run meanwhile); only a
@@ -346,6 +365,8 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     if action == "resume":
         return RunPlan(OmegaConf.load(run_dir / "config.yaml"), run_dir, ckpt, action, previous)
     remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
+    for step in branch_checkpoint_steps(run_dir):  # a trunk's branch points: its branches would start from them
+        remove_checkpoint(branch_checkpoint(run_dir, step))
     for name in ("summary.json", "metrics.jsonl", "metrics.csv"):
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})
