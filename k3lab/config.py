@@ -211,6 +211,7 @@ class OptimConfig:
     lr: float = 6e-3             # Muon lr (update RMS matched to AdamW, so of adam_lr's order)
     adam_lr: float = 1e-2        # AdamW lr for embeddings, head, norms, gains, 1-D params (all params under adamw)
     lr_scale: float = 1.0        # multiplies lr and adam_lr: a one-dimensional rate grid that keeps their ratio
+    embed_lr_scale: float = 1.0  # multiplies the input embedding's AdamW rate (a group of its own when not 1)
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.95
     nesterov: bool = True
@@ -234,6 +235,9 @@ class OptimConfig:
         check_choice("optim.decay_shape", self.decay_shape, DECAY_SHAPES)
         if not self.lr_scale > 0:
             raise ConfigError(f"optim.lr_scale={self.lr_scale} must be > 0 (it multiplies optim.lr and optim.adam_lr)")
+        if not self.embed_lr_scale > 0:
+            raise ConfigError(f"optim.embed_lr_scale={self.embed_lr_scale} must be > 0 (it multiplies the input "
+                              "embedding's AdamW rate)")
         if not 0 < self.decay_frac < 1:
             raise ConfigError(f"optim.decay_frac={self.decay_frac} must be in (0, 1): the share of the run the "
                               "WSD decay takes")

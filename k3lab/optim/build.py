@@ -79,19 +79,26 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Param groups for `Muon`: a Muon group (absent under adamw), AdamW with weight decay for
     tensors of >= 2 dims (embedding, head; plus all hidden matrices under adamw), AdamW without
-    weight decay for 1-D tensors. Empty groups are dropped; each group has a `name` for logging."""
+    weight decay for 1-D tensors. With `embed_lr_scale` other than 1 the input embedding (every
+    nn.Embedding's table) leaves the AdamW group for one of its own, `embed`, at that multiple of the AdamW
+    rate, decayed as before. Empty groups are dropped; each group has a `name` for logging."""
     check_option("optim", cfg.name)
     muon, adamw = split_params(model)
     if cfg.name == "adamw":
         muon, adamw = [], muon + adamw
     tags = tags_by_param(model)
+    embed = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} \
+        if cfg.embed_lr_scale != 1 else set()
     common_adam = dict(use_muon=False, lr=cfg.adam_lr * cfg.lr_scale, betas=tuple(cfg.betas), eps=cfg.eps)
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr * cfg.lr_scale, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
              ns_method=cfg.ns_method, per_head=cfg.name == "muon_per_head",
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
-        dict(name="adamw", params=[p for p in adamw if p.ndim >= 2], weight_decay=cfg.weight_decay, **common_adam),
+        dict(name="adamw", params=[p for p in adamw if p.ndim >= 2 and id(p) not in embed],
+             weight_decay=cfg.weight_decay, **common_adam),
+        dict(name="embed", params=[p for p in adamw if id(p) in embed], weight_decay=cfg.weight_decay,
+             **{**common_adam, "lr": common_adam["lr"] * cfg.embed_lr_scale}),
         dict(name="adamw_no_decay", params=[p for p in adamw if p.ndim < 2], weight_decay=0.0, **common_adam),
     ]
     return [g for g in groups if g["params"]]
