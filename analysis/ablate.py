@@ -62,9 +62,10 @@ DEFAULT_BASELINE = K3_DEFAULT
 # batch.
 DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "length", "tokens_per_step")
 # config.yaml keys (and key prefixes) that never make two runs different cells: the seed and the run's
-# bookkeeping. Everything else in config.yaml does, except the keys under comparison.
+# bookkeeping (train.trunk: a cooldown branch names the trunk of its own seed). Everything else in
+# config.yaml does, except the keys under comparison.
 BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels", "logger",
-               "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes")
+               "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes", "train.trunk")
 # The hyperparameters a tuned comparison chooses per option (where the option's config has them).
 TUNED = ("optim.lr", "optim.adam_lr", "optim.lr_scale")
 # Seeds at or above this are tuning seeds unless named explicitly; the others are reported.
