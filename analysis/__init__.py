@@ -13,6 +13,8 @@ Modules (each also a command, `python -m analysis.<name> --help`):
     plots     matplotlib figures (PNG + SVG)
     report    one command: a sweep folder or a CSV -> a Markdown report with tables and figures
     synthetic synthetic run directories drawn from a known scaling law (tests, example figures)
+    branches  WSD cooldown branches: against their trunk and separate runs, the compute their shared prefix saves
+    rates     the learning rate tuned at every size: the choice per cell, grid edges, its drift across widths
     switches  the switches and their options (analysis's copy of k3lab/switches.py, checked by a test)
 """
 import importlib
