@@ -1,14 +1,16 @@
 """One training run: composed config -> run directory, data, model, Lightning trainer -> results.
 
-`run.py` (Hydra) calls `train(cfg)`, which builds the parts in this order and records everything a
-run needs to be analysed or resumed in its run directory (docs/run_directory.md):
+`run.py` (Hydra) calls `train_job(cfg)`: `train(cfg)`, then, for a WSD trunk, `train` of each of its cooldown
+branches (k3lab/branches.py). `train` builds the parts in this order and records everything a run needs to
+be analysed or resumed in its run directory (docs/run_directory.md):
 
     run directory   k3lab.rundir.prepare_run_dir   (new, restarted, or the one being resumed)
     data            k3lab.data.K3DataModule
     model           k3lab.model.K3Model            plain PyTorch, built from ModelConfig alone;
                                                    model.compile() when train.compile is on
     training logic  k3lab.lit.K3LitModule          loss, balancing, metrics, optimizer
-    run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget
+    run length      k3lab.budget.run_length        max_steps, or tokens per parameter, or a FLOP budget;
+                    k3lab.branches                 a trunk's branch points, a branch's start in its trunk
     loggers         metrics.jsonl (+ TensorBoard, wandb)
     trainer         Lightning, with the checkpoint callback, the progress display and the preemption
                     checkpoint (k3lab.preempt: on the cluster's warning signal, save, stop, requeue)
