@@ -218,9 +218,10 @@ def model_counts(model_yaml: str, seq_len: int) -> tuple[int, float]:
     return model.param_counts()["params_active_non_embedding"], flops_per_token(model, seq_len)
 
 
-def job_length(cfg, vocab_size: int) -> tuple[int, int, int]:
-    """(N, the steps one job trains, tokens per step) of a composed run config, without data or training: a
-    WSD trunk's job counts the trunk and each branch's own steps after its branch point (k3lab/branches.py)."""
+def job_length(cfg, vocab_size: int) -> tuple[int, int, int, int]:
+    """(N, the steps one job trains, tokens per step, the steps of its points as separate runs) of a composed
+    run config, without data or training: a WSD trunk's job trains the trunk and each branch's own steps after
+    its branch point (k3lab/branches.py), where separate runs would train every branch from step 0."""
     from k3lab.branches import branch_plan
     from k3lab.budget import run_length
     from k3lab.config import SWITCH_SCHEMAS, OptimConfig, typed
@@ -230,16 +231,17 @@ def job_length(cfg, vocab_size: int) -> tuple[int, int, int]:
     n, fpt = model_counts(model_yaml, cfg.data.seq_len)
     per_step = cfg.data.batch_size * cfg.data.seq_len * max(cfg.trainer.devices, 1) * cfg.trainer.num_nodes
     steps = run_length(cfg.train, n, fpt, per_step).max_steps
-    if cfg.train.get("branches"):
-        steps += sum(b.steps - b.start for b in branch_plan(cfg.train, typed(OptimConfig, cfg.optim), steps, n, fpt,
-                                                            per_step))
-    return n, steps, per_step
+    if not cfg.train.get("branches"):
+        return n, steps, per_step, steps
+    branches = branch_plan(cfg.train, typed(OptimConfig, cfg.optim), steps, n, fpt, per_step)
+    return n, steps + sum(b.steps - b.start for b in branches), per_step, sum(b.steps for b in branches)
 
 
 def dry_run(plan: dict, extra: list[str]) -> pd.DataFrame:
     """The jobs stage 1 and stage 2 launch, without training: per cell and stage, the jobs, their steps and
-    tokens, and the device minutes at the plan's tokens/s of each size alone on the device
-    (dry_run.tokens_per_s). Widening adds one tuning job per edge."""
+    tokens, the device minutes at the plan's tokens/s of each size alone on the device (dry_run.tokens_per_s),
+    and the minutes the same points would take as separate runs (a WSD family's shared prefix trained once
+    per branch). Widening adds one tuning job per edge."""
     speed = plan["dry_run"].get("tokens_per_s", {})
     rows = []
     for c in cells(plan):
@@ -251,11 +253,13 @@ def dry_run(plan: dict, extra: list[str]) -> pd.DataFrame:
             if not vocab:
                 raise ConfigError(f"dry_run.vocab_size: data={cfg.data.name} takes its vocabulary from its files; "
                                   "state it in the plan")
-            n, steps, per_step = job_length(cfg, vocab)
-            minutes = steps * per_step / speed[c.size] / 60 if c.size in speed else float("nan")
+            n, steps, per_step, separate = job_length(cfg, vocab)
+            per_minute = speed[c.size] * 60 if c.size in speed else float("nan")
             rows.append({"variant": c.variant, "size": c.size, "N": n, "stage": stage, "jobs": jobs,
-                         "steps_per_job": steps, "tokens_per_job": steps * per_step, "minutes_per_job": minutes,
-                         "minutes": jobs * minutes})
+                         "steps_per_job": steps, "tokens_per_job": steps * per_step,
+                         "minutes_per_job": steps * per_step / per_minute,
+                         "minutes": jobs * steps * per_step / per_minute,
+                         "minutes_if_separate": jobs * separate * per_step / per_minute})
     return pd.DataFrame(rows)
 
 
@@ -275,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = (table["jobs"] * table["tokens_per_job"]).sum()
         minutes = (f"{table['minutes'].sum():,.0f} device minutes alone on the device (stage 1 "
                    f"{table[table.stage == 'tune']['minutes'].sum():,.0f}, stage 2 "
-                   f"{table[table.stage == 'seeds']['minutes'].sum():,.0f})" if table["minutes"].notna().all()
+                   f"{table[table.stage == 'seeds']['minutes'].sum():,.0f}; as separate runs "
+                   f"{table['minutes_if_separate'].sum():,.0f})" if table["minutes"].notna().all()
                    else "no device minutes (the plan's dry_run.tokens_per_s lacks a size)")
         print(f"{int(table['jobs'].sum())} jobs, {tokens:,.0f} tokens, {minutes}; each widened edge adds one "
               "tuning job")

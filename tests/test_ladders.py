@@ -87,6 +87,8 @@ def test_the_dry_run_prices_every_job_from_the_models_counts():
             lengths = [math.ceil(b * n / per_step) for b in (5, 10, 20)]
             steps = lengths[-1] + sum(round(0.2 * t) for t in lengths)
             assert row["jobs"] == 3
+            assert row["minutes_if_separate"] == pytest.approx(3 * sum(lengths) * per_step / speed[row["size"]] / 60,
+                                                               rel=1e-12)
             assert run_length(cfg.train, n, flops_per_token(model, 2048), per_step).max_steps == lengths[-1]
             assert lengths[-1] * per_step / 110.5e6 < 4.1  # the longest branch within about 4 epochs of the corpus
         assert row["steps_per_job"] == steps and row["tokens_per_job"] == steps * per_step
