@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import ScalarFormatter
 
 from analysis import plots
 from analysis.ablate import BOOKKEEPING, TUNE_SEED_MIN
@@ -181,12 +182,14 @@ def plot_transfer(table: pd.DataFrame, key: str = "optim.lr_scale"):
         for _, p in pts[pts["edge"] != ""].iterrows():
             right.annotate("edge", (p["width"], p[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     left.set_xscale("log", base=2)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log", base=2)
+    for axis in (left.xaxis, right.xaxis, right.yaxis):  # plain numbers (0.5, 1, 2; 32, 64), not powers of 2
+        axis.set_major_formatter(ScalarFormatter())
     left.set_xlabel(key)
     left.set_ylabel("final validation loss (tuning seed)")
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
-    right.set_xscale("log", base=2)
-    right.set_yscale("log", base=2)
     right.set_xlabel("width (d_model)")
     right.set_ylabel(f"chosen {key}")
     right.grid(alpha=0.3)
