@@ -184,6 +184,7 @@ def plot_transfer(table: pd.DataFrame, key: str = "optim.lr_scale"):
     left.set_xscale("log", base=2)
     right.set_xscale("log", base=2)
     right.set_yscale("log", base=2)
+    right.set_xticks(sorted(best["width"].unique()))  # every ladder width, powers of 2 or not (e.g. 48)
     for axis in (left.xaxis, right.xaxis, right.yaxis):  # plain numbers (0.5, 1, 2; 32, 64), not powers of 2
         axis.set_major_formatter(ScalarFormatter())
     left.set_xlabel(key)
