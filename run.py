@@ -8,6 +8,8 @@
     python run.py -m sweep=ablate_decay             # a sweep from sweeps/; the same command again skips
                                                     # completed runs and resumes killed or failed ones
     python run.py trainer=fsdp                      # FSDP2 over every GPU of the node (trainer=ddp: DDP)
+    python run.py optim.schedule=wsd train.tokens_per_param=20 'train.branches=[5,10,20]'
+                                                    # a stable trunk, then a cooldown branch per budget
     python run.py --help                            # every group, its options and its default
 
 Each run writes <out_dir>/<group>/<run_name>/ (docs/run_directory.md). A bad key, option or value
@@ -29,11 +31,11 @@ def main(cfg: DictConfig) -> dict:
     with task_errors(single_run=job.mode == RunMode.RUN):
         check_config(cfg, job.overrides.task)  # before torch and Lightning are imported: fails in a second
         from k3lab.parallel import one_job_argv
-        from k3lab.train import train
+        from k3lab.train import train_job
 
         with one_job_argv(list(job.overrides.task), multirun=job.mode == RunMode.MULTIRUN):  # DDP/FSDP workers
-            summary = train(cfg, overrides=job.overrides.task)
-    return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name")}
+            summary = train_job(cfg, overrides=job.overrides.task)
+    return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name", "branches")}
 
 
 def quote_paths(argv: list[str]) -> list[str]:

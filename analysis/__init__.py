@@ -19,6 +19,10 @@ Modules (the commands: `python -m analysis.<name> --help`):
     multipliers compute multipliers per size and from a shared fit, with seed-noise intervals, and their trend
     plan        seeds per point for a minimum detectable effect, the validation-size term, a plan's cost (command)
     scaling     approach 3 on run directories or a CSV (command)
+    branches    WSD cooldown branches: against their trunk and separate runs, the compute their shared prefix
+                saves (command)
+    rates       the learning rate tuned at every size: the choice per cell, grid edges, its drift across
+                widths (command)
     tables      number formatting and Markdown tables
     plots       matplotlib figures (PNG + SVG)
     report      one command: a sweep folder or a CSV -> a Markdown report with tables and figures (command)

@@ -41,6 +41,8 @@ TOKENIZERS = ("bpe", "byte")
 WANDB_MODES = ("offline", "online", "disabled")
 NS_METHODS = ("standard", "gram")  # optim.ns_method (k3lab/optim/muon.py)
 NS_DTYPES = ("bf16", "fp32")       # optim.ns_dtype
+SCHEDULES = ("cosine", "wsd")      # optim.schedule (k3lab/optim/build.py lr_lambda)
+DECAY_SHAPES = ("sqrt", "linear")  # optim.decay_shape under wsd
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead")  # train.compile_mode: torch.compile's modes the harness runs
 MUON_OPTIONS = ("muon_per_head", "muon")
@@ -298,6 +300,7 @@ class OptimConfig:
     lr: float = setting(6e-3, gt=0, only=MUON_OPTIONS)  # Muon peak lr (update RMS matched to AdamW, so of adam_lr's order)
     adam_lr: float = setting(1e-2, gt=0)   # AdamW peak lr: embeddings, head, norms, gains, 1-D (every param under adamw)
     lr_scale: float = setting(1.0, gt=0)   # multiplies lr and adam_lr: a one-dimensional rate grid that keeps their ratio
+    embed_lr_scale: float = setting(1.0, gt=0)  # multiplies the input embedding's AdamW rate (a group of its own when not 1)
     betas: tuple[float, float] = setting((0.9, 0.95), ge=0, lt=1)  # AdamW
     momentum: float = setting(0.95, ge=0, lt=1, only=MUON_OPTIONS)  # Muon, Nesterov
     nesterov: bool = setting(True, only=MUON_OPTIONS)
@@ -306,16 +309,26 @@ class OptimConfig:
     ns_method: str = setting("gram", only=MUON_OPTIONS)  # gram: iterate on the Gram matrix; standard: on the matrix (muon.py)
     weight_decay: float = setting(0.1, ge=0)  # decoupled, p *= 1 - lr*wd (none on 1-D tensors)
     eps: float = setting(1e-8, gt=0)          # AdamW
-    warmup_steps: int = setting(50, ge=0)     # linear warm-up, then cosine to min_lr_ratio * peak at the last step
+    warmup_steps: int = setting(50, ge=0)     # linear warm-up, then the schedule
     warmup_frac: Optional[float] = setting(None, ge=0, lt=1)  # set: the warm-up is this share of the run (replaces warmup_steps)
-    min_lr_ratio: float = setting(0.1, ge=0, le=1)  # cosine decays to this fraction of the peak
+    min_lr_ratio: float = setting(0.1, ge=0, le=1)  # the schedule ends at this fraction of the peak (cosine and wsd alike)
+    schedule: str = "cosine"                  # cosine | wsd: warm-up, stable at the peak, decay over the last decay_frac
+    decay_frac: float = setting(0.2, gt=0, lt=1)  # wsd: the share of the run's steps over which the rate decays
+    decay_shape: str = "sqrt"                 # wsd: sqrt (1 - sqrt(p), arXiv:2405.18392) | linear (1 - p)
     grad_clip: float = setting(1.0, ge=0)     # global grad-norm clip (0: none): the trainer's factor, applied in the step
 
     def check(self, typed_keys: frozenset[str] = frozenset()) -> None:
         check_choice("optim.name", self.name, SWITCHES["optim"].options)
         check_choice("optim.ns_method", self.ns_method, NS_METHODS)
         check_choice("optim.ns_dtype", self.ns_dtype, NS_DTYPES)
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_choice("optim.decay_shape", self.decay_shape, DECAY_SHAPES)
         check_fields("optim", self, typed_keys)
+        if self.schedule != "wsd":
+            for key in ("decay_frac", "decay_shape"):
+                if getattr(self, key) != OptimConfig.__dataclass_fields__[key].default:
+                    raise ConfigError(f"optim.{key}={_show(getattr(self, key))} acts with optim.schedule=wsd only "
+                                      f"(optim.schedule={self.schedule}): set optim.schedule=wsd, or drop it")
 
 
 @dataclass
@@ -441,11 +454,20 @@ class TrainConfig:
     activation_memory_budget: float = setting(1.0, gt=0, le=1)  # compiled: share of saved activations the backward keeps
     overfit_batches: int = setting(0, ge=0)  # >0: train (and validate) on that many fixed batches (debug=overfit)
     preempt_signal: Optional[str] = "${oc.env:SUBMITIT_PREEMPT_SIGNAL,USR2}"  # save at the next log step, stop (preempt.py)
+    branches: Optional[list[float]] = setting(None, gt=0)  # a WSD trunk: its cooldown branches' budgets (k3lab/branches.py)
+    trunk: Optional[str] = None  # a cooldown branch: its trunk's run name, a sibling directory of this run's
 
     def check(self, typed_keys: frozenset[str] = frozenset()) -> "TrainConfig":
         check_fields("train", self, typed_keys)
         check_choice("train.compile_backend", self.compile_backend, COMPILE_BACKENDS)
         check_choice("train.compile_mode", self.compile_mode, COMPILE_MODES)
+        if self.branches is not None:
+            if not self.branches:
+                raise ConfigError("train.branches=[] must list positive budgets, in the unit of the run-length key "
+                                  "(tokens per parameter, FLOPs or steps), e.g. [5,10,20]")
+            if self.trunk is not None:
+                raise ConfigError(f"train.branches and train.trunk={self.trunk} are both set: a run is a trunk (its "
+                                  "branches listed) or a branch (its trunk named), not both")
         return self
 
 
@@ -547,6 +569,11 @@ class RunConfig:
 
         length_key(self.train)  # first: it names the run-length keys' rule
         self.train.check(typed_keys)
+        if (self.train.branches is not None or self.train.trunk is not None) and self.optim.schedule != "wsd":
+            key = (f"train.branches={_show(self.train.branches)}" if self.train.branches is not None
+                   else f"train.trunk={self.train.trunk}")
+            raise ConfigError(f"{key} needs optim.schedule=wsd (cooldown branches decay from a stable trunk), not "
+                              f"optim.schedule={self.optim.schedule}")
         self.data.check(typed_keys)
         if self.data.name == "tokens":
             from k3lab.data import tokens

@@ -83,6 +83,18 @@ def remove_checkpoint(path: Path) -> None:
             shutil.rmtree(version)
 
 
+def branch_checkpoint(run_dir: Path, step: int) -> Path:
+    """Where a WSD trunk keeps its state at branch point `step`, the start of a cooldown branch
+    (k3lab/branches.py): checkpoints/branch-<step>.ckpt, written like last.ckpt (whole or not at all)."""
+    return Path(run_dir) / "checkpoints" / f"branch-{step}.ckpt"
+
+
+def branch_checkpoint_steps(run_dir: Path) -> list[int]:
+    """The branch points a trunk's run directory holds a checkpoint of, in order."""
+    found = (re.fullmatch(r"branch-(\d+)\.ckpt", p.name) for p in (Path(run_dir) / "checkpoints").glob("branch-*"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
 def checkpoint_step(path: Path) -> int:
     """The optimizer step a checkpoint was taken at: from the file itself, or from a sharded checkpoint's
     meta.pt (the shards are not read). UnreadableCheckpoint when it cannot be loaded; the checkpoint is left
@@ -230,6 +242,10 @@ class Summary:
         self.data.setdefault("started_at", now_iso())
         self.t0 = time.time() - elapsed_s
         self.write()
+
+    def add_elapsed(self, seconds: float) -> None:
+        """Count `seconds` of training that preceded this process (a branch's shared prefix) in wall_time_s."""
+        self.t0 -= seconds
 
     def update(self, **fields: Any) -> None:
         self.data.update({k: _plain(v) for k, v in fields.items()})
@@ -420,7 +436,9 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
     neither skipped nor resumed: ConfigChanged names the keys and what to do. A directory trained at another
     git revision is skipped or resumed with a line that says so (`reason`). `resume=<dir>` or `resume=last`
     names the directory instead and continues it with its own config.yaml; a completed one is left as it is
-    (skip). A directory whose lock a live process holds raises RunDirBusy. The decision is taken while
+    (skip). A cooldown branch (train.trunk set) starts its new and restarted runs from its trunk's checkpoint
+    at its branch point instead of step 0 (k3lab/branches.py); a new or restarted run drops the branch-point
+    checkpoints of an earlier run in its directory with its other files. A directory whose lock a live process holds raises RunDirBusy. The decision is taken while
     holding the lock, from what the directory holds then (a process that held it may have completed the run
     meanwhile); only a run already completed is skipped without the lock, since another live process may
     still hold it (a sweep keeps its runs' locks until it exits). Under DDP every rank takes the same
@@ -464,6 +482,8 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> RunPlan:
         return RunPlan(OmegaConf.load(saved_path), run_dir, ckpt, action, previous, fingerprint,
                        _code_note(previous).strip(" ()"))
     remove_checkpoint(run_dir / "checkpoints" / "last.ckpt")  # first: never a checkpoint without its summary
+    for step in branch_checkpoint_steps(run_dir):  # a trunk's branch points: its branches would start from them
+        remove_checkpoint(branch_checkpoint(run_dir, step))
     for name in ("summary.json", "metrics.jsonl", "metrics.csv"):
         (run_dir / name).unlink(missing_ok=True)
     cfg = OmegaConf.merge(cfg, {"run_name": run_dir.name})

@@ -5,8 +5,9 @@ runs `on_job_end` where the job ran (this process under the basic launcher, a wo
 under submitit), so each job writes its row to <sweep dir>/.sweep/report/<launch>/<job number>.json and the
 launching process reads them all, then removes its folder. <launch> is the launching process's own (host, pid
 and start time): multiruns launched side by side into one group folder (a study's slice starts several)
-each report their own jobs. A run that fails is reported where it ends (`k3lab.errors.report`: one
-line `error: ...` for a bad setting, else the traceback) and the sweep goes on. Hydra then re-raises the
+each report their own jobs. The job of a WSD trunk (train.branches) is one row, with each branch's loss. A run
+that fails is reported where it ends (`k3lab.errors.report`: one line `error: ...` for a bad setting, else the
+traceback) and the sweep goes on. Hydra then re-raises the
 first failure, which run.py does not print again, and exits non-zero without calling `on_multirun_end`;
 so the table is printed at interpreter exit unless the sweep ended cleanly. It is what a researcher reads before re-running
 the same command (completed runs are then skipped, killed or failed runs resumed from their last
@@ -69,9 +70,12 @@ class SweepReport(Callback):
         overrides = list(job_return.overrides or ())
         if job_return.status == JobStatus.COMPLETED:
             summary = job_return.return_value or {}
-            loss = summary.get("loss_val_final")
-            row = [overrides, OUTCOME.get(summary.get("outcome"), "completed"),
-                   f"val loss {loss:.4f}" if isinstance(loss, float) else ""]
+            runs = [(summary.get("outcome"), summary.get("loss_val_final"), "")]
+            for name, outcome, loss in summary.get("branches") or []:  # a WSD trunk's job: its branches too
+                runs.append((outcome, loss, f"{name.rsplit(',', 1)[-1]} "))
+            trained = [outcome for outcome, _, _ in runs if outcome != "skip"]  # the first run the job trained
+            row = [overrides, OUTCOME.get(trained[0] if trained else "skip", "completed"),
+                   ", ".join(f"{label}val loss {loss:.4f}" for _, loss, label in runs if isinstance(loss, float))]
         else:
             err = job_return._return_value  # the exception; .return_value would re-raise it
             report(err)

@@ -16,6 +16,12 @@ changes only how the hidden matrices are updated. A layer may give some of its p
 of their own (the `adamw_group` tag: AttnRes's pseudo-queries and key-norm gains, with
 `residual.query_lr_scale` and `residual.query_weight_decay`); it is the same under every option.
 
+The schedule (`optim.schedule`, lr_lambda): a linear warm-up, then either a cosine to `min_lr_ratio` at the
+run's last step (cosine), or warm-up, stable and decay (wsd: the peak rate held until the last `decay_frac`
+of the run, then a linear or 1-sqrt decay to `min_lr_ratio`; Hu et al. MiniCPM, arXiv:2404.06395; Hagele
+et al., arXiv:2405.18392; Wen et al., arXiv:2410.05192). Both end at the same floor, so a comparison of the
+two differs in the shape alone; `optim.min_lr_ratio=0` gives the decay to zero of Hagele et al.
+
 Gradient clipping (`optim.grad_clip`) is the LightningModule's: K3LitModule.configure_gradient_clipping
 takes the norm of the DDP-averaged gradients before `step` and hands the factor to `Muon.scale_grads`.
 """
@@ -79,7 +85,9 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     tensors of >= 2 dims (embedding, head; plus all hidden matrices under adamw), AdamW without
     weight decay for 1-D tensors, and one AdamW group per `adamw_group` tag (k3lab/model/tags.py:
     the AttnRes parameters), named by the tag, at the AdamW rate times its lr_scale and with its weight
-    decay. Empty groups are dropped; each group has a `name` for logging (`optim/lr_<name>`)."""
+    decay. With `embed_lr_scale` other than 1 the input embedding (every nn.Embedding's table) leaves the
+    AdamW group for one of its own, `embed`, at that multiple of the AdamW rate, decayed as before. Empty
+    groups are dropped; each group has a `name` for logging (`optim/lr_<name>`)."""
     check_option("optim", cfg.name)
     muon, adamw = split_params(model)
     if cfg.name == "adamw":
@@ -92,8 +100,10 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         spec = tags.get(id(p), {}).get("adamw_group")
         if spec is not None and own.setdefault(spec.name, spec) != spec:
             raise ValueError(f"two adamw_group tags named {spec.name!r} differ: {own[spec.name]} and {spec}")
+    embed = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} \
+        if cfg.embed_lr_scale != 1 else set()
     grouped = {id(p) for p in adamw if "adamw_group" in tags.get(id(p), {})}
-    plain = [p for p in adamw if id(p) not in grouped]
+    plain = [p for p in adamw if id(p) not in grouped and id(p) not in embed]
     groups = [
         dict(name="muon", params=muon, use_muon=True, lr=cfg.lr * cfg.lr_scale, weight_decay=cfg.weight_decay,
              momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=cfg.ns_dtype,
@@ -101,6 +111,8 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
              head_blocks=[tags.get(id(p), {}).get("head_blocks", 0) for p in muon]),
         dict(name="adamw", params=[p for p in plain if p.ndim >= 2], lr=adam_lr, weight_decay=cfg.weight_decay,
              **common_adam),
+        dict(name="embed", params=[p for p in adamw if id(p) in embed], lr=adam_lr * cfg.embed_lr_scale,
+             weight_decay=cfg.weight_decay, **common_adam),
         dict(name="adamw_no_decay", params=[p for p in plain if p.ndim < 2], lr=adam_lr, weight_decay=0.0,
              **common_adam),
         *(dict(name=name, params=[p for p in adamw if tags.get(id(p), {}).get("adamw_group") == spec],
@@ -122,19 +134,42 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return max(steps, 1) if cfg.warmup_frac > 0 else 0
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier of the peak LR for optimizer step s (0-based): linear warmup (s+1)/warmup reaching 1
-    at s = warmup-1, then cosine from 1 at s = warmup down to min_lr_ratio at s = total_steps, flat after.
-    Runs too short for the warmup (debug runs) warm up over half of their steps instead."""
+def decay_steps(cfg: OptimConfig, total_steps: int) -> int:
+    """The steps of the final decay under optim.schedule=wsd: `decay_frac` of total_steps rounded to the
+    nearest step (0 under cosine, whose decay spans the whole run after the warm-up)."""
+    return round(cfg.decay_frac * total_steps) if cfg.schedule == "wsd" else 0
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float, schedule: str = "cosine",
+              decay_steps: int = 0, decay_shape: str = "sqrt"):
+    """Multiplier of the peak LR for optimizer step s (0-based); the same linear warm-up (s+1)/warmup,
+    reaching 1 at s = warmup-1, under both schedules, then:
+
+    cosine  from 1 at s = warmup down to min_lr_ratio at s = total_steps;
+    wsd     1 (the stable phase) until the decay starts at b = total_steps - decay_steps, then from 1 at
+            s = b down to min_lr_ratio at s = total_steps along p = (s - b) / decay_steps:
+            linear 1 - p, or sqrt 1 - sqrt(p) (the "1-sqrt" cooldown of Hagele et al., arXiv:2405.18392,
+            which ends lower than linear at the same length); decay_steps = 0 is the stable phase alone
+            (the trunk of cooldown branches, k3lab/branches.py).
+
+    Flat at the end value after total_steps. Runs too short for the warm-up (debug runs) warm up over half
+    of their steps instead; a WSD decay that would start inside the warm-up starts at its end."""
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be positive")
     warmup_steps = min(warmup_steps, total_steps // 2)
+    decay_start = max(total_steps - decay_steps, warmup_steps)
+    shapes = {"linear": lambda p: 1 - p, "sqrt": lambda p: 1 - math.sqrt(p)}
+    shape = shapes[decay_shape]
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "cosine":
+            progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+            return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < decay_start or decay_start == total_steps:
+            return 1.0
+        return min_lr_ratio + (1 - min_lr_ratio) * shape(min(1.0, (step - decay_start) / (total_steps - decay_start)))
 
     return factor
 
@@ -143,9 +178,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
                     ) -> tuple[Muon, torch.optim.lr_scheduler.LambdaLR]:
     """The run's optimizer and its per-step scheduler (call `scheduler.step()` after each `opt.step()`)."""
     opt = Muon(param_groups(model, cfg))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps(cfg, total_steps), total_steps,
-                                                             cfg.min_lr_ratio))
-    return opt, sched
+    factor = lr_lambda(warmup_steps(cfg, total_steps), total_steps, cfg.min_lr_ratio, cfg.schedule,
+                       decay_steps(cfg, total_steps), cfg.decay_shape)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def lightning_optimizers(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dict:

@@ -1,0 +1,95 @@
+"""The ladder plans (ladders/*.yaml, run by tune.py): every configuration at every size composes and types as
+run.py types it, for its tuning runs and its reported ones; and the second GPU study's plan holds the design
+of issue 56, its dry run pricing each job from the model's own parameter counts and the measured tokens/s of
+results/pycode_study/PLAN.md, without data or training."""
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import tune
+from analysis.ablate import TUNE_SEED_MIN
+from k3lab.budget import run_length
+from k3lab.config import SWITCH_SCHEMAS, DataConfig, OptimConfig, TrainConfig, model_config, typed
+from k3lab.flops import flops_per_token
+from k3lab.model import K3Model
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = sorted((ROOT / "ladders").glob("*.yaml"))
+STUDY = ROOT / "ladders" / "pycode_study2.yaml"
+DATA = ["++data.path=/unused"]  # the token shards are not read: nothing trains
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_every_cell_of_a_plan_composes_and_types(path):
+    plan = tune.load_plan(path)
+    cells = tune.cells(plan)
+    assert cells
+    for cell in cells:
+        for tuning in (True, False):
+            cfg = tune.compose_cell(plan, DATA, cell, tuning)
+            for switch, schema in SWITCH_SCHEMAS.items():
+                typed(schema, cfg[switch])
+            typed(TrainConfig, cfg.train).check()
+            typed(OptimConfig, cfg.optim).check()
+            model_config(cfg, 64)
+            assert all(OmegaConf.select(cfg, key) is not None for key in cell.grid), cell
+    assert set(plan["tune_seeds"]).isdisjoint(plan["seeds"]) and min(plan["tune_seeds"]) >= TUNE_SEED_MIN
+
+
+def test_the_second_study_plan_holds_the_design_of_issue_56():
+    plan = tune.load_plan(STUDY)
+    cells = tune.cells(plan)
+    variants = {name: v["overrides"] for name, v in plan["variants"].items()}
+    assert variants["k3"] == [] and variants["standard"] == ["residual=standard"]
+    assert variants["adamw"] == ["optim=adamw"]
+    adamw = plan["variants"]["adamw"]["grid"]
+    assert {"optim.lr_scale", "optim.embed_lr_scale", "optim.betas"} <= set(adamw)  # rate, embedding rate, beta2
+    assert {b[1] for b in adamw["optim.betas"]} == {0.95, 0.99}
+    assert len(plan["seeds"]) >= 3
+    depths = {}
+    for cell in cells:
+        cfg = tune.compose_cell(plan, DATA, cell)
+        assert cfg.optim.schedule == "wsd" and cfg.train.tokens_per_param == 20
+        assert list(cfg.train.branches) == [5, 10, 20]
+        assert typed(DataConfig, cfg.data).val_tokens >= 1_000_000
+        depths.setdefault(cell.variant, set()).add((cfg.model.n_layers, cfg.model.aspect))
+    ladder = {d for d, aspect in depths["k3"] if aspect == 64}
+    assert len(ladder) >= 3 and ladder <= {d for d, _ in depths["adamw"]}  # AdamW on every ladder size
+    assert any(d == 12 for d, _ in depths["k3"]) and depths["k3"] == depths["standard"]  # the AttnRes point
+
+
+def test_the_dry_run_prices_every_job_from_the_models_counts():
+    """Each job's tokens computed here from the model's parameter count and the budget rule: a trunk of
+    ceil(20 N / 32,768) steps, then each branch's last round(0.2 T_i) steps; the tuning jobs one WSD run of 5
+    tokens per parameter. Minutes: tokens / the plan's tokens/s, whose measured sizes are PLAN.md's."""
+    plan = tune.load_plan(STUDY)
+    speed = plan["dry_run"]["tokens_per_s"]
+    measured = (ROOT / "results" / "pycode_study" / "PLAN.md").read_text()
+    assert f"| 4 | 256 | {speed['d4']:,} |" in measured and f"| 6 | 384 | {speed['d6']:,} |" in measured
+    table = tune.dry_run(plan, DATA)
+    per_step = 16 * 2048
+    counts = {}  # size and model-changing overrides -> (the model, N): built here, once each
+    for _, row in table.iterrows():
+        [cell] = [c for c in tune.cells(plan) if (c.variant, c.size) == (row["variant"], row["size"])]
+        cfg = tune.compose_cell(plan, DATA, cell, row["stage"] == "tune")
+        key = tuple(o for o in cell.overrides if not o.startswith("optim"))
+        if key not in counts:
+            model = K3Model(model_config(cfg, 8192))
+            counts[key] = model, model.param_counts()["params_active_non_embedding"]
+        model, n = counts[key]
+        assert row["N"] == n
+        if row["stage"] == "tune":
+            steps = math.ceil(5 * n / per_step)
+            assert row["jobs"] == math.prod(len(v) for v in cell.grid.values())
+        else:
+            lengths = [math.ceil(b * n / per_step) for b in (5, 10, 20)]
+            steps = lengths[-1] + sum(round(0.2 * t) for t in lengths)
+            assert row["jobs"] == 3
+            assert row["minutes_if_separate"] == pytest.approx(3 * sum(lengths) * per_step / speed[row["size"]] / 60,
+                                                               rel=1e-12)
+            assert run_length(cfg.train, n, flops_per_token(model, 2048), per_step).max_steps == lengths[-1]
+            assert lengths[-1] * per_step / 110.5e6 < 4.1  # the longest branch within about 4 epochs of the corpus
+        assert row["steps_per_job"] == steps and row["tokens_per_job"] == steps * per_step
+        assert row["minutes"] == pytest.approx(row["jobs"] * steps * per_step / speed[row["size"]] / 60, rel=1e-12)

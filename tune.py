@@ -1,0 +1,292 @@
+"""The learning rate tuned at every size of a ladder, in one command (docs/schedules.md, "The rate at every size").
+
+    python tune.py ladders/cpu_tune.yaml                         # stage 1, widening, stage 2, the report
+    python tune.py ladders/pycode_study2.yaml data.path=/tmp/pycode8k --dry-run   # the runs and their minutes
+    python tune.py ladders/pycode_study2.yaml data.path=/tmp/pycode8k hydra/launcher=joblib --parallel 3
+
+A ladder plan (a YAML file, ladders/*.yaml) has
+
+    group        the runs' folder, <out_dir>/<group>
+    command      run.py overrides every run shares (e.g. experiment=pycode_study2)
+    tune_command overrides of the tuning runs only (e.g. a shorter length), optional
+    sizes        name -> overrides, e.g. d4: [model.n_layers=4]
+    variants     name -> overrides, or name -> {overrides: [...], sizes: [names], grid: {...}} for a
+                 configuration on some sizes only or with a grid of its own; optional (one configuration)
+    grid         key -> values tried, e.g. optim.lr_scale: [0.5, 1, 2]
+    tune_seeds, seeds, max_widen (default 3)
+    dry_run      vocab_size and tokens_per_s (per size name) for --dry-run
+
+and for every configuration at each of its sizes:
+
+    stage 1   the grid on the tuning seeds: one multirun, `python run.py -m <command> <tune_command>
+              <variant> <size> <key>=<v1>,<v2>,... seed=<tuning seeds> group=<group>`
+    widen     while the best setting sits at an edge of its grid (analysis.rates.grid_edges), the setting one
+              step beyond it on the tuning seeds, at most `max_widen` rounds
+    stage 2   the reported seeds at the chosen setting (analysis.rates: the lowest mean final validation loss
+              of the cell's longest runs on the tuning seeds: a WSD trunk's longest branch)
+
+then writes the report of the choices and the loss-vs-rate curves (analysis.rates.write_report) to
+<out_dir>/<group>/rates. Each stage reads the run directories the previous one wrote, so nothing is edited by
+hand, and the command run again skips every run that completed and resumes a killed one (run.py), then
+chooses again from the same directories: the same choices. Overrides after the plan (data.path=...,
+out_dir=..., hydra/launcher=joblib) go to every run.py command.
+
+This driver stands above training and analysis: it composes configs with k3lab (for --dry-run and to tell
+which runs belong to which configuration and size) and reads run directories with analysis; the library
+k3lab never imports analysis.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pandas as pd
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from analysis.branches import is_trunk
+from analysis.collect import collect
+from analysis.rates import tune_cell, value_text, write_report
+from k3lab.errors import ConfigError, run_command
+
+ROOT = Path(__file__).resolve().parent
+PLAN_KEYS = {"group", "command", "tune_command", "sizes", "variants", "grid", "tune_seeds", "seeds", "max_widen",
+             "dry_run"}
+VARIANT_KEYS = {"overrides", "sizes", "grid"}
+
+
+class Cell(NamedTuple):
+    """One configuration at one size: its names and overrides, and the rate grid it is tuned on."""
+    variant: str
+    size: str
+    overrides: tuple[str, ...]
+    grid: dict
+
+
+def load_plan(path: Path) -> dict:
+    """The plan's keys, checked: one line naming the key when one is unknown, missing or empty."""
+    plan = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = set(plan) - PLAN_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)}; a ladder plan has {sorted(PLAN_KEYS)}")
+    for key in ("group", "sizes", "grid", "tune_seeds", "seeds"):
+        if not plan.get(key):
+            raise ConfigError(f"{path}: `{key}` is missing or empty")
+    variants = {}
+    for name, v in (plan.get("variants") or {"default": []}).items():
+        v = v if isinstance(v, dict) else {"overrides": v or []}
+        if set(v) - VARIANT_KEYS:
+            raise ConfigError(f"{path}: variants.{name} has unknown key(s) {sorted(set(v) - VARIANT_KEYS)}; a variant "
+                              f"is a list of overrides or has {sorted(VARIANT_KEYS)}")
+        missing = set(v.get("sizes") or ()) - set(plan["sizes"])
+        if missing:
+            raise ConfigError(f"{path}: variants.{name}.sizes names no size of `sizes`: {sorted(missing)}")
+        variants[name] = {"overrides": v.get("overrides") or [], "sizes": v.get("sizes") or list(plan["sizes"]),
+                          "grid": v.get("grid") or plan["grid"]}
+    return {"command": [], "tune_command": [], "max_widen": 3, "dry_run": {}, **plan, "variants": variants}
+
+
+def cells(plan: dict) -> list[Cell]:
+    return [Cell(name, size, (*v["overrides"], *plan["sizes"][size]), v["grid"])
+            for name, v in plan["variants"].items() for size in v["sizes"]]
+
+
+def sweep_value(values) -> str:
+    return ",".join(value_text(v) for v in values)
+
+
+def command(plan: dict, extra: list[str], cell: Cell, setting: dict, seeds, tuning: bool) -> list[str]:
+    """The run.py multirun of `cell` at `setting` ({key: value or list of values}) on `seeds`; tuning: with
+    the plan's tune_command."""
+    rates = [f"{k}={sweep_value(v) if isinstance(v, list) else value_text(v)}" for k, v in setting.items()]
+    return ["-m", *plan["command"], *(plan["tune_command"] if tuning else ()), *cell.overrides, *rates,
+            f"seed={sweep_value(seeds)}", f"group={plan['group']}", *extra]
+
+
+def run_all(commands: list[list[str]], parallel: int) -> None:
+    """`python run.py <command>` for each, at most `parallel` at once; stops at the first that fails (its
+    sweep's table says which run; the same tune.py command again resumes it)."""
+    pending, running = list(commands), []
+    while pending or running:
+        while pending and len(running) < parallel:
+            args = pending.pop(0)
+            print("python run.py " + " ".join(args), flush=True)
+            running.append((args, subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT)))
+        args, proc = running.pop(0)
+        if proc.wait() != 0:
+            for _, other in running:
+                other.wait()
+            raise SystemExit(f"tune.py: a run of `python run.py {' '.join(args)}` failed (its table above says "
+                             "which); run the same tune.py command again to resume it")
+
+
+# --- which runs belong to a cell ----------------------------------------------------------------------------
+def compose_cell(plan: dict, extra: list[str], cell: Cell, tuning: bool = False):
+    """The composed config of a cell's runs, its tuning runs with `tuning` (the hydra/... overrides left out:
+    they change no run)."""
+    overrides = [o for o in (*plan["command"], *(plan["tune_command"] if tuning else ()), *cell.overrides, *extra)
+                 if not o.startswith("hydra")]
+    return compose_overrides(tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def compose_overrides(overrides: tuple[str, ...]):
+    """run.py's config composed from `overrides` (read-only: shared by every caller asking for the same)."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def cell_keys(plan: dict) -> list[str]:
+    """Every key a variant or size sets (a group name stands for its option, `<group>.name`)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for c in cells(plan) for o in c.overrides}
+    return sorted(k if "." in k else f"{k}.name" for k in keys)
+
+
+def _same(run_value, value) -> bool:
+    """A run's config value (as analysis.collect reads it) against the composed one."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (run_value, value))
+    return math.isclose(run_value, value) if numbers else value_text(run_value) == value_text(value)
+
+
+def cell_runs(runs: pd.DataFrame, cfg, keys: list[str]) -> pd.DataFrame:
+    """The runs whose config has the cell's value at every key a variant or size sets."""
+    mask = pd.Series(True, index=runs.index)
+    for key in keys:
+        value = OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}))["v"]
+        column = f"config.{key}"
+        mask &= runs[column].map(lambda v: _same(v, value)) if column in runs else False
+    return runs[mask]
+
+
+def choose(runs: pd.DataFrame, grid: dict, tune_seeds) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the cell's tuning table on its longest runs, the chosen row) from its runs (analysis.rates.tune_cell)."""
+    tuning = runs[runs["seed"].isin(tune_seeds) & ~is_trunk(runs)]
+    longest = tuning[tuning["tokens"] == tuning["tokens"].max()]
+    table = tune_cell(longest, list(grid))
+    return table, table[table["chosen"]]
+
+
+# --- the stages ---------------------------------------------------------------------------------------------
+def tune(plan: dict, extra: list[str], parallel: int) -> Path:
+    out = ROOT / next((o.split("=", 1)[1] for o in extra if o.startswith("out_dir=")), "runs") / plan["group"]
+    ladder = cells(plan)
+    run_all([command(plan, extra, c, c.grid, plan["tune_seeds"], tuning=True) for c in ladder], parallel)
+    configs = [compose_cell(plan, extra, c) for c in ladder]
+    keys = cell_keys(plan)
+    for round_ in range(plan["max_widen"] + 1):
+        runs = collect([out]).runs
+        wider, chosen = [], []
+        for c, cfg in zip(ladder, configs):
+            table, best = choose(cell_runs(runs, cfg, keys), c.grid, plan["tune_seeds"])
+            if best.empty:
+                raise SystemExit(f"tune.py: no completed tuning run of {c.variant} at {c.size} under {out}")
+            chosen.append(best.iloc[0])
+            tried = {tuple(value_text(r[k]) for k in c.grid) for _, r in table.iterrows()}
+            beyond = [s for s in chosen[-1]["beyond"] or [] if tuple(value_text(s[k]) for k in c.grid) not in tried]
+            wider += [command(plan, extra, c, s, plan["tune_seeds"], tuning=True) for s in beyond]
+        if not wider or round_ == plan["max_widen"]:
+            break
+        print(f"widening {len(wider)} grid edge(s), round {round_ + 1} of at most {plan['max_widen']}", flush=True)
+        run_all(wider, parallel)
+    for c, best in zip(ladder, chosen):
+        edge = f" (at an edge: {best['edge']})" if best["edge"] else ""
+        print(f"{c.variant} at {c.size}: " + ", ".join(f"{k}={value_text(best[k])}" for k in c.grid) + edge)
+    run_all([command(plan, extra, c, {k: best[k] for k in c.grid}, plan["seeds"], tuning=False)
+             for c, best in zip(ladder, chosen)], parallel)
+    return write_report([str(out)], out / "rates", rate_keys=sorted({k for c in ladder for k in c.grid}),
+                        tune_seeds=plan["tune_seeds"])
+
+
+@functools.lru_cache(maxsize=None)
+def model_counts(model_yaml: str, seq_len: int) -> tuple[int, float]:
+    """(N, FLOPs per token) of the model a config's model and switch groups build (as YAML text, so that the
+    configurations of a plan that share a model build it once)."""
+    from k3lab.config import model_config
+    from k3lab.flops import flops_per_token
+    from k3lab.model import K3Model
+
+    cfg = OmegaConf.create(model_yaml)
+    model = K3Model(model_config(cfg, cfg.vocab_size))
+    return model.param_counts()["params_active_non_embedding"], flops_per_token(model, seq_len)
+
+
+def job_length(cfg, vocab_size: int) -> tuple[int, int, int, int]:
+    """(N, the steps one job trains, tokens per step, the steps of its points as separate runs) of a composed
+    run config, without data or training: a WSD trunk's job trains the trunk and each branch's own steps after
+    its branch point (k3lab/branches.py), where separate runs would train every branch from step 0."""
+    from k3lab.branches import branch_plan
+    from k3lab.budget import run_length
+    from k3lab.config import SWITCH_SCHEMAS, OptimConfig, typed
+
+    groups = ["model", "kernels", *(s for s in SWITCH_SCHEMAS if s != "optim")]
+    model_yaml = OmegaConf.to_yaml({**{g: cfg[g] for g in groups}, "vocab_size": vocab_size})
+    n, fpt = model_counts(model_yaml, cfg.data.seq_len)
+    per_step = cfg.data.batch_size * cfg.data.seq_len * max(cfg.trainer.devices, 1) * cfg.trainer.num_nodes
+    steps = run_length(cfg.train, n, fpt, per_step).max_steps
+    if not cfg.train.get("branches"):
+        return n, steps, per_step, steps
+    branches = branch_plan(cfg.train, typed(OptimConfig, cfg.optim), steps, n, fpt, per_step)
+    return n, steps + sum(b.steps - b.start for b in branches), per_step, sum(b.steps for b in branches)
+
+
+def dry_run(plan: dict, extra: list[str]) -> pd.DataFrame:
+    """The jobs stage 1 and stage 2 launch, without training: per cell and stage, the jobs, their steps and
+    tokens, the device minutes at the plan's tokens/s of each size alone on the device (dry_run.tokens_per_s),
+    and the minutes the same points would take as separate runs (a WSD family's shared prefix trained once
+    per branch). Widening adds one tuning job per edge."""
+    speed = plan["dry_run"].get("tokens_per_s", {})
+    rows = []
+    for c in cells(plan):
+        grid_points = math.prod(len(v) for v in c.grid.values())
+        for stage, tuning, jobs in (("tune", True, grid_points * len(plan["tune_seeds"])),
+                                    ("seeds", False, len(plan["seeds"]))):
+            cfg = compose_cell(plan, extra, c, tuning)
+            vocab = plan["dry_run"].get("vocab_size") or cfg.data.get("vocab_size")
+            if not vocab:
+                raise ConfigError(f"dry_run.vocab_size: data={cfg.data.name} takes its vocabulary from its files; "
+                                  "state it in the plan")
+            n, steps, per_step, separate = job_length(cfg, vocab)
+            per_minute = speed[c.size] * 60 if c.size in speed else float("nan")
+            rows.append({"variant": c.variant, "size": c.size, "N": n, "stage": stage, "jobs": jobs,
+                         "steps_per_job": steps, "tokens_per_job": steps * per_step,
+                         "minutes_per_job": steps * per_step / per_minute,
+                         "minutes": jobs * steps * per_step / per_minute,
+                         "minutes_if_separate": jobs * separate * per_step / per_minute})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line (module docstring); a bad plan or setting is one line `error: ...` (run_command)."""
+    p = argparse.ArgumentParser(prog="python tune.py", description=__doc__.splitlines()[0])
+    p.add_argument("plan", type=Path, help="a ladder plan, e.g. ladders/cpu_tune.yaml")
+    p.add_argument("overrides", nargs="*", help="run.py overrides for every run, e.g. data.path=/tmp/pycode8k")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and their device minutes; train nothing")
+    p.add_argument("--parallel", type=int, default=1, help="run.py multiruns at once (each may itself be parallel)")
+    args = p.parse_args(argv)
+    plan = load_plan(args.plan)
+    if args.dry_run:
+        table = dry_run(plan, args.overrides)
+        with pd.option_context("display.width", 160, "display.max_columns", 20):
+            print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
+        tokens = (table["jobs"] * table["tokens_per_job"]).sum()
+        minutes = (f"{table['minutes'].sum():,.0f} device minutes alone on the device (stage 1 "
+                   f"{table[table.stage == 'tune']['minutes'].sum():,.0f}, stage 2 "
+                   f"{table[table.stage == 'seeds']['minutes'].sum():,.0f}; as separate runs "
+                   f"{table['minutes_if_separate'].sum():,.0f})" if table["minutes"].notna().all()
+                   else "no device minutes (the plan's dry_run.tokens_per_s lacks a size)")
+        print(f"{int(table['jobs'].sum())} jobs, {tokens:,.0f} tokens, {minutes}; each widened edge adds one "
+              "tuning job")
+        return
+    print(tune(plan, args.overrides, args.parallel))
+
+
+if __name__ == "__main__":
+    run_command(main)
