@@ -32,9 +32,10 @@ DEFAULT_BASELINE = K3_DEFAULT
 # batch.
 DEFAULT_MATCH = ("model", "n_layers", "d_model", "data", "length", "tokens_per_step")
 # config.yaml keys (and key prefixes) that never make two runs different cells: the seed and the run's
-# bookkeeping. Everything else in config.yaml does, except the keys under comparison.
+# bookkeeping (train.trunk: a cooldown branch names the trunk of its own seed). Everything else in
+# config.yaml does, except the keys under comparison.
 BOOKKEEPING = ("seed", "run_name", "group", "out_dir", "resume", "overwrite", "kernels", "logger",
-               "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes")
+               "trainer.accelerator", "trainer.devices", "trainer.strategy", "trainer.num_nodes", "train.trunk")
 # config keys shown by a summary column of DEFAULT_MATCH already (left out of the cell names)
 SHOWN = {"config.model.name": "model", "config.model.n_layers": "n_layers", "config.model.d_model": "d_model",
          "config.data.name": "data"}
