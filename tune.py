@@ -206,15 +206,14 @@ def tune(plan: dict, extra: list[str], parallel: int) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def model_counts(model_yaml: str, seq_len: int) -> tuple[int, float]:
-    """(N, FLOPs per token) of the model a config's model and switch groups build (as YAML text, so that the
-    configurations of a plan that share a model build it once)."""
-    from k3lab.config import model_config
+def model_counts(model_yaml: str, vocab_size: int, seq_len: int) -> tuple[int, float]:
+    """(N, FLOPs per token) of the model a config's model, kernels and switch groups build (as YAML text, so
+    that the configurations of a plan that share a model build it once)."""
+    from k3lab.config import RunConfig, typed
     from k3lab.flops import flops_per_token
     from k3lab.model import K3Model
 
-    cfg = OmegaConf.create(model_yaml)
-    model = K3Model(model_config(cfg, cfg.vocab_size))
+    model = K3Model(typed(RunConfig, OmegaConf.create(model_yaml)).model_config(vocab_size))
     return model.param_counts()["params_active_non_embedding"], flops_per_token(model, seq_len)
 
 
@@ -224,16 +223,15 @@ def job_length(cfg, vocab_size: int) -> tuple[int, int, int, int]:
     its branch point (k3lab/branches.py), where separate runs would train every branch from step 0."""
     from k3lab.branches import branch_plan
     from k3lab.budget import run_length
-    from k3lab.config import SWITCH_SCHEMAS, OptimConfig, typed
+    from k3lab.config import SWITCH_SCHEMAS, OptimConfig, TrainConfig, typed
 
     groups = ["model", "kernels", *(s for s in SWITCH_SCHEMAS if s != "optim")]
-    model_yaml = OmegaConf.to_yaml({**{g: cfg[g] for g in groups}, "vocab_size": vocab_size})
-    n, fpt = model_counts(model_yaml, cfg.data.seq_len)
+    n, fpt = model_counts(OmegaConf.to_yaml({g: cfg[g] for g in groups}), vocab_size, cfg.data.seq_len)
     per_step = cfg.data.batch_size * cfg.data.seq_len * max(cfg.trainer.devices, 1) * cfg.trainer.num_nodes
     steps = run_length(cfg.train, n, fpt, per_step).max_steps
     if not cfg.train.get("branches"):
         return n, steps, per_step, steps
-    branches = branch_plan(cfg.train, typed(OptimConfig, cfg.optim), steps, n, fpt, per_step)
+    branches = branch_plan(typed(TrainConfig, cfg.train), typed(OptimConfig, cfg.optim), steps, n, fpt, per_step)
     return n, steps + sum(b.steps - b.start for b in branches), per_step, sum(b.steps for b in branches)
 
 

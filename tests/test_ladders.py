@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import tune
 from analysis.ablate import TUNE_SEED_MIN
 from k3lab.budget import run_length
-from k3lab.config import SWITCH_SCHEMAS, DataConfig, OptimConfig, TrainConfig, model_config, typed
+from k3lab.config import run_config
 from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
 
@@ -29,11 +29,10 @@ def test_every_cell_of_a_plan_composes_and_types(path):
     for cell in cells:
         for tuning in (True, False):
             cfg = tune.compose_cell(plan, DATA, cell, tuning)
-            for switch, schema in SWITCH_SCHEMAS.items():
-                typed(schema, cfg[switch])
-            typed(TrainConfig, cfg.train).check()
-            typed(OptimConfig, cfg.optim).check()
-            model_config(cfg, 64)
+            run = run_config(cfg)  # every group typed against the schema
+            run.train.check()
+            run.optim.check()
+            run.model_config(64)
             assert all(OmegaConf.select(cfg, key) is not None for key in cell.grid), cell
     assert set(plan["tune_seeds"]).isdisjoint(plan["seeds"]) and min(plan["tune_seeds"]) >= TUNE_SEED_MIN
 
@@ -53,7 +52,7 @@ def test_the_second_study_plan_holds_the_design_of_issue_56():
         cfg = tune.compose_cell(plan, DATA, cell)
         assert cfg.optim.schedule == "wsd" and cfg.train.tokens_per_param == 20
         assert list(cfg.train.branches) == [5, 10, 20]
-        assert typed(DataConfig, cfg.data).val_tokens >= 1_000_000
+        assert run_config(cfg).data.val_tokens >= 1_000_000
         depths.setdefault(cell.variant, set()).add((cfg.model.n_layers, cfg.model.aspect))
     ladder = {d for d, aspect in depths["k3"] if aspect == 64}
     assert len(ladder) >= 3 and ladder <= {d for d, _ in depths["adamw"]}  # AdamW on every ladder size
@@ -76,7 +75,7 @@ def test_the_dry_run_prices_every_job_from_the_models_counts():
         cfg = tune.compose_cell(plan, DATA, cell, row["stage"] == "tune")
         key = tuple(o for o in cell.overrides if not o.startswith("optim"))
         if key not in counts:
-            model = K3Model(model_config(cfg, 8192))
+            model = K3Model(run_config(cfg).model_config(8192))
             counts[key] = model, model.param_counts()["params_active_non_embedding"]
         model, n = counts[key]
         assert row["N"] == n
