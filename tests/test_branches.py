@@ -28,7 +28,9 @@ from k3lab.optim import lr_lambda
 from k3lab.train import train, train_job
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["model.n_layers=4", "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
+# one thread: the same computation in the same order whatever the machine's load (k3lab.rundir.cpu_threads)
+FAST = ["trainer.threads=1", "model.n_layers=4",
+        "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
         "data.val_tokens=256", "train.log_every=1", "optim.warmup_steps=2", "data.tokenizer=byte"]
 FAMILY = ["optim.schedule=wsd", "optim.decay_frac=0.4", "train.max_steps=10", "train.branches=[5,10]",
           "train.val_every=5", "train.ckpt_every=2"]

@@ -35,7 +35,9 @@ from k3lab.rundir import JsonlLogger, RunDirBusy, UnreadableCheckpoint, read_sum
 from k3lab.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["model.n_layers=4", "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
+# one thread: the same computation in the same order whatever the machine's load (k3lab.rundir.cpu_threads)
+FAST = ["trainer.threads=1", "model.n_layers=4",
+        "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
         "data.val_tokens=256", "train.log_every=1", "optim.warmup_steps=2", "data.tokenizer=byte"]
 STEPS = ["train.max_steps=8", "train.val_every=4", "train.ckpt_every=2"]  # checkpoints at 2, 4, 6, 8; validation at 0, 4, 8
 CTX = multiprocessing.get_context("forkserver")

@@ -47,9 +47,9 @@ def composed(*overrides: str):
     (["kernels.keep_intra=true"], "kernels.keep_intra=true acts with kernels.recompute_chunks=true only (without it "
                                   "the forward keeps At and P anyway): set both, or neither"),
     (["train.val_every=abc"], "train.val_every='abc' is not an integer"),
-    (["+train.foo=1"], "train.foo is not a key; the keys of train: activation_memory_budget, ckpt_every, compile, "
-                       "compile_backend, compile_mode, default_steps, flop_budget, log_every, max_steps, overfit_batches, preempt_signal, "
-                       "tokens_per_param, val_batches, val_every"),
+    (["+train.foo=1"], "train.foo is not a key; the keys of train: activation_memory_budget, branches, ckpt_every, compile, "
+                       "compile_backend, compile_mode, default_steps, flop_budget, log_every, max_steps, overfit_batches, "
+                       "preempt_signal, tokens_per_param, trunk, val_batches, val_every"),
     # a value out of its range (k3lab.config.setting)
     (["seed=-1"], "seed=-1 must be >= 0"),
     (["decay.g_min=1"], "decay.g_min=1.0 must be < 0"),

@@ -19,7 +19,9 @@ from k3lab.config import run_config
 from k3lab.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["model.n_layers=4", "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
+# one thread: the same computation in the same order whatever the machine's load (k3lab.rundir.cpu_threads)
+FAST = ["trainer.threads=1", "model.n_layers=4",
+        "model.d_model=64", "model.head_dim=32", "data.seq_len=32", "data.batch_size=4",
         "data.vocab_size=300", "data.val_tokens=1024", "train.log_every=1", "optim.warmup_steps=2"]
 
 
