@@ -53,6 +53,7 @@ from omegaconf import OmegaConf
 from analysis.branches import is_trunk
 from analysis.collect import collect
 from analysis.rates import tune_cell, value_text, write_report
+import k3lab.config  # noqa: F401  registers the schema conf/config.yaml composes onto (k3lab_schema)
 from k3lab.errors import ConfigError, run_command
 
 ROOT = Path(__file__).resolve().parent

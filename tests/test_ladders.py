@@ -92,3 +92,15 @@ def test_the_dry_run_prices_every_job_from_the_models_counts():
             assert lengths[-1] * per_step / 110.5e6 < 4.1  # the longest branch within about 4 epochs of the corpus
         assert row["steps_per_job"] == steps and row["tokens_per_job"] == steps * per_step
         assert row["minutes"] == pytest.approx(row["jobs"] * steps * per_step / speed[row["size"]] / 60, rel=1e-12)
+
+
+def test_the_dry_run_command_runs_in_a_fresh_process():
+    """`python tune.py PLAN --dry-run` as a user types it: nothing imported beforehand (the schema that
+    conf/config.yaml composes onto is registered by tune.py itself)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tune.py"), str(STUDY), *DATA, "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "device minutes alone on the device" in proc.stdout.splitlines()[-1]
