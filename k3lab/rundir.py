@@ -416,7 +416,8 @@ def _refuse_changed(run_dir: Path, saved: DictConfig, cfg: DictConfig, previous:
     if changes:
         shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
         status = previous.get("status", "started")
-        raise ConfigChanged(f"{run_dir} holds a {status} run of another config ({shown}): add overwrite=true to "
+        kind = "a completed run" if status == "completed" else f"an unfinished run (status {status})"
+        raise ConfigChanged(f"{run_dir} holds {kind} of another config ({shown}): add overwrite=true to "
                             f"train it again from scratch, or run_name=<new name> to keep both")
 
 

@@ -56,7 +56,7 @@ def test_a_killed_run_met_with_another_config_is_refused_and_resumes_with_its_ow
     args = byte_args(corpus, tmp_path, "train.max_steps=6", "train.ckpt_every=2", "run_name=k")
     with pytest.raises(RuntimeError, match="killed after step 3"):
         run(args, callbacks=[FailAt(3)])
-    with pytest.raises(ConfigChanged, match=r"holds a failed run of another config \(data.seq_len: 32 -> 16\)"):
+    with pytest.raises(ConfigChanged, match=r"holds an unfinished run \(status failed\) of another config \(data.seq_len: 32 -> 16\)"):
         run([*args, "data.seq_len=16"])
     summary = run(args)
     assert (summary["outcome"], summary["status"], summary["steps"]) == ("resume", "completed", 6)
