@@ -154,6 +154,13 @@ def full_tracebacks() -> bool:
     return os.environ.get(_USER_CHOICE, os.environ.get(FULL_ERROR, "")) == "1"
 
 
+def prog_error(prog: str, err: UserError) -> int:
+    """A command-line tool's one line for a user error on stderr (`prog: error: ...`, argparse's form);
+    returns the exit status, 2."""
+    print(f"{prog}: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+    return USER_ERROR_STATUS
+
+
 _reported: list[BaseException] = []  # errors already printed (a multirun's failed runs, when each ended)
 
 

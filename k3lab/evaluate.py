@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from k3lab.config import require_package
-from k3lab.errors import UserError
+from k3lab.errors import UserError, prog_error
 from k3lab.fileio import atomic_write_text
 from k3lab.generate import CHECKPOINT, LoadedRun, generate, load_run
 from k3lab.rundir import git_revision, read_summary
@@ -304,8 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         evaluate(args)
     except UserError as err:
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return prog_error(PROG, err)
     return 0
 
 

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from k3lab.config import run_config
 from k3lab.data.tokenizer import Tokenizer, load_from_run
-from k3lab.errors import UserError
+from k3lab.errors import UserError, prog_error
 from k3lab.model import K3Model
 from k3lab.rundir import read_summary
 
@@ -141,8 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            end_id=run.tokenizer.eod_id)
             print(prompt + run.tokenizer.decode(ids), flush=True)
     except UserError as err:
-        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+        return prog_error(PROG, err)
     return 0
 
 

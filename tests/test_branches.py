@@ -26,6 +26,7 @@ from k3lab.errors import ConfigError
 from k3lab.lit import K3LitModule
 from k3lab.optim import lr_lambda
 from k3lab.train import train, train_job
+from test_faults import base, one_thread  # noqa: F401 - fixtures: a corpus of six documents, one CPU thread
 
 ROOT = Path(__file__).resolve().parents[1]
 # one thread: the same computation in the same order whatever the machine's load (k3lab.rundir.cpu_threads)
@@ -40,24 +41,6 @@ CTX.set_forkserver_preload(["k3lab.train"])
 # The same computation in the same order on one CPU thread gives the same numbers; 1e-5 leaves room for the
 # last bits of a float32 loss printed through JSON (as tests/test_faults.py)
 SAME = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("branches")
-    (root / "corpus").mkdir()
-    for d in range(6):
-        (root / "corpus" / f"doc{d}.txt").write_text(
-            " ".join(f"line {j} of document {d} says {(j * 7) % 13}." for j in range(300)))
-    return root
 
 
 def args(base: Path, out: Path, *extra: str) -> list[str]:
