@@ -165,11 +165,11 @@ class ResidualConfig:
     For a ladder set n_blocks instead (the paper recommends about 8): block_size = ceil(2 n_layers / n_blocks).
     query_lr_scale and query_weight_decay set the AdamW group of the AttnRes parameters, every op's
     pseudo-query and key-norm gain (docs/attnres.md); query_lr_scale 0 keeps them at their initial values
-    (uniform mixes)."""
+    (uniform mixes); docs/attnres.md says where the default comes from."""
     name: str = K3_DEFAULT["residual"]
     block_size: int = setting(2, ge=1, only=("block_attnres",))
     n_blocks: int = setting(0, ge=0, only=("block_attnres",))  # >0: block_size = ceil(n_sublayers / n_blocks)
-    query_lr_scale: float = setting(1.0, ge=0, only=ATTNRES)  # their AdamW rate: optim.adam_lr * optim.lr_scale * this
+    query_lr_scale: float = setting(0.1, ge=0, only=ATTNRES)  # their AdamW rate: optim.adam_lr * optim.lr_scale * this
     query_weight_decay: float = setting(0.0, ge=0, only=ATTNRES)  # their decoupled weight decay (p *= 1 - lr * wd)
 
     def sublayers_per_block(self, n_sublayers: int) -> int:

@@ -423,6 +423,40 @@ def test_tuned_comparison_picks_each_options_rate_on_the_tuning_seeds(tmp_path):
     assert moved.loc["latent_norm", "seeds"] == "0,1,2"
 
 
+def test_tuned_comparison_picks_an_options_query_rate_on_the_tuning_seed(tmp_path):
+    """A key of the switch's own group (AttnRes' residual.query_lr_scale) is chosen per option like a rate, on
+    the tuning seed alone: block_attnres is reported at the query rate that won on seed 1000 though its
+    reported seeds favour the other one, and the standard residual, whose query rate stays at the unread
+    default, is chosen on optim.lr_scale alone."""
+    rng = np.random.default_rng(5)
+    # true offsets: standard best at lr_scale 2; block best at query rate 0.1 on the tuning seed, 1 elsewhere
+    grid = [("standard", 1.0, 1.0, 0.05, 0.05), ("standard", 1.0, 2.0, 0.02, 0.02),
+            ("block_attnres", 0.1, 1.0, 0.03, 0.03), ("block_attnres", 0.1, 2.0, 0.00, 0.01),
+            ("block_attnres", 1.0, 1.0, 0.06, 0.06), ("block_attnres", 1.0, 2.0, 0.04, -0.05)]
+    seed_effect = {1000: 0.0, 0: 0.002, 1: -0.001, 2: 0.001}  # shared by every run of a seed (paired)
+    truth = {}
+    for opt, q, scale, tune_off, report_off in grid:
+        for s, effect in seed_effect.items():
+            rid = f"residual-{opt}-q{q:g}-x{scale:g}-s{s}"
+            truth[rid] = (tune_off if s >= 1000 else report_off) + effect
+            write_run(tmp_path / rid, {**analysis_default(), "residual": opt}, s, 2e6, 5e7, truth[rid], rng,
+                      config={"residual": {"query_lr_scale": q}, "optim": {"lr_scale": scale}},
+                      overrides=[f"residual={opt}", f"optim.lr_scale={scale:g}",
+                                 *([f"residual.query_lr_scale={q:g}"] if opt != "standard" else []),
+                                 "sweep=tune_residual"])
+    tab = ablation_table(collect([tmp_path], curves=False).runs, tune=True, baseline={"residual": "standard"})
+    res = tab[tab["switch"] == "residual"].set_index("option")
+    assert res.loc["block_attnres", "setting"] == "residual.query_lr_scale=0.1"
+    assert res.loc["block_attnres", "rate"].endswith("optim.lr_scale=2")
+    assert res.loc["standard", "rate"].endswith("optim.lr_scale=2") and res.loc["standard", "setting"] == ""
+    assert (res["seeds"] == "0,1,2").all()
+    ids = res.loc["block_attnres", "run_ids"].split(";")
+    assert all("-q0.1-x2-s" in i for i in ids)
+    base = [i.replace("block_attnres-q0.1", "standard-q1") for i in ids]
+    assert res.loc["block_attnres", "delta"] == pytest.approx(np.mean([truth[i] for i in ids])
+                                                              - np.mean([truth[i] for i in base]))
+
+
 def test_tuning_before_the_reported_seeds_prints_their_commands(tmp_path):
     """Grid on the tuning seed only: the tuned rows have no reported runs yet and say which command runs them."""
     write_lr_grid(tmp_path, "moe", OPTIMA, report_all=False)

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from analysis.isoflop import fit_isoflop, flop_budgets
 from analysis.tuning import TUNE_SEED_MIN
 from k3lab.budget import run_length
-from k3lab.config import OptimConfig, run_config
+from k3lab.config import OptimConfig, ResidualConfig, run_config
 from k3lab.flops import flops_per_token
 from k3lab.model import K3Model
 
@@ -114,7 +114,8 @@ def test_residual_grids_give_attnres_its_query_rate_and_the_standard_residual_it
         assert sorted(c.residual.query_lr_scale for c in attnres if c.residual.name == name) == [0, 0.03, 0.1, 0.3, 1]
     assert {c.optim.lr_scale for c in attnres} == {1.0}
     assert {c.residual.name for c in standard} == {"standard"}
-    assert {(c.residual.query_lr_scale, c.residual.query_weight_decay) for c in standard} == {(1.0, 0.0)}  # unread
+    unread = (ResidualConfig().query_lr_scale, ResidualConfig().query_weight_decay)
+    assert {(c.residual.query_lr_scale, c.residual.query_weight_decay) for c in standard} == {unread}
     assert sorted(c.optim.lr_scale for c in standard) == [0.5, 1, 2]
     assert {c.group for c in attnres + standard} == {"tune_residual"}
 
