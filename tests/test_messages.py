@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from benchmarks.step import compose_config
 
 from k3lab.config import check_config
 from k3lab.errors import ConfigError
@@ -27,8 +27,7 @@ def cli(*args: str, env: dict | None = None, prelude: str = "") -> subprocess.Co
 
 
 def composed(*overrides: str):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(list(overrides))
 
 
 @pytest.mark.parametrize("args, line", [

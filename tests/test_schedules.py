@@ -5,14 +5,13 @@ import math
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
+from benchmarks.step import compose_config
 
 from k3lab.config import OptimConfig, check_config
 from k3lab.errors import ConfigError
 from k3lab.optim import build_optimizer, decay_steps, lr_lambda
 
 from test_optim import ToyLM
-from test_train import ROOT
 
 # every multiplier is a few float64 operations on numbers of order 1: equal to the formula to 1e-12
 EXACT = 1e-12
@@ -81,8 +80,7 @@ def test_every_group_follows_the_wsd_schedule(name):
 
 
 def compose_run(*overrides: str):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(list(overrides))
 
 
 @pytest.mark.parametrize("overrides, message", [
