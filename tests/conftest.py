@@ -1,9 +1,25 @@
-"""Fixtures shared by the test files that train through run.py in subprocesses."""
+"""Fixtures shared by the test files that train through run.py in subprocesses, and the CPU threads of a test
+process."""
+import os
 from pathlib import Path
 
 import pytest
 
 from test_train import small_corpus
+
+
+def pytest_configure(config):
+    """Several test processes side by side (pytest-xdist, one worker per core) share the cores: each gets its
+    share of threads, inherited by the runs it starts (OMP_NUM_THREADS). Two workers of two threads each on
+    two cores would stall on each other's OpenMP barriers, ops then taking 100x their time
+    (docs/default_run.md has the measurement on a busy machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from interpreted import run_interpreted
 
 LIMIT = 1e-4
 # (B, T, d_model, head_dim): 4 heads of 16, T = 70 spans a full and a ragged chunk
-SHAPE = (2, 70, 64, 16)
+SHAPE = (1, 70, 64, 16)
 VARIANTS = {"plain": dict(), "checkpoint_recompute": dict(checkpoint_kda=True, recompute_states=True),
             "recompute_chunks": dict(recompute_chunks=True),
             "recompute_chunks_keep_intra": dict(recompute_chunks=True, keep_intra=True)}
