@@ -122,6 +122,8 @@ class RichProgress(Callback):
         line = validation_line(trainer, pl_module)
         if self.progress is not None and line:
             self.progress.console.print(line)
+            # the bar shows it now: a validation at the last step has no batch end after it to redraw the bar
+            self.progress.update(self.task, val=f"{pl_module.last_val['loss/val']:.3f}")
 
     def on_train_end(self, trainer, pl_module):
         if self.progress is not None:
