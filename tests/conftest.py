@@ -10,16 +10,15 @@ from test_train import small_corpus
 
 def pytest_configure(config):
     """Several test processes side by side (pytest-xdist, one worker per core) share the cores: each gets its
-    share of threads, inherited by the runs it starts (OMP_NUM_THREADS). Two workers of two threads each on
-    two cores would stall on each other's OpenMP barriers, ops then taking 100x their time
-    (docs/default_run.md has the measurement on a busy machine)."""
+    share of threads. Two workers of two threads each on two cores would stall on each other's OpenMP
+    barriers, ops then taking 100x their time (docs/default_run.md has the measurement on a busy machine).
+    The runs a test starts choose their own threads from the machine's load (k3lab.rundir.cpu_threads)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
 
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture

@@ -91,6 +91,11 @@ def test_k3_default_training_step_never_syncs_the_host(balance):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def in_repository(filename: str) -> bool:
+    """A file of this repository's code, not of an environment installed inside the checkout (CI's .venv)."""
+    return filename.startswith(str(ROOT)) and "site-packages" not in Path(filename).parts
+
+
 class HarnessReads(HostValues):
     """HostValues that keeps, of each call, the innermost function of this repository that made it
     ("k3lab/lit.py:check_finite"): the reads of the training module's bookkeeping, told apart from those of the
@@ -100,7 +105,7 @@ class HarnessReads(HostValues):
         before = len(self.calls)
         out = super().__torch_function__(func, types, args, kwargs)
         frame = sys._getframe(1)
-        while frame is not None and not frame.f_code.co_filename.startswith(str(ROOT)):
+        while frame is not None and not in_repository(frame.f_code.co_filename):
             frame = frame.f_back
         if len(self.calls) > before and frame is not None:
             self.calls[-1] = f"{Path(frame.f_code.co_filename).relative_to(ROOT).as_posix()}:{frame.f_code.co_name}"

@@ -15,8 +15,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from test_train import corpus, overrides, rows, run_cli, run_inprocess  # noqa: F401  (corpus: a fixture)
 
+# seed 1: at seed 0 one token of the last MoE layer sits within fp32 rounding of a top-k tie, which one process
+# and two break differently (a 9e-5 change of that layer's experts after 8 steps), which says nothing of DDP
 STEPS = ["train.max_steps=8", "train.val_every=4", "train.ckpt_every=4", "optim.warmup_steps=2",
-         "optim.ns_dtype=fp32"]
+         "optim.ns_dtype=fp32", "seed=1"]
 TWO_CPUS = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
 KEYS = ("loss/train", "loss/val", "optim/grad_norm")
 

@@ -297,6 +297,7 @@ def test_with_fla_each_distinct_fla_model_is_timed_once_and_each_row_compares_wi
             assert float(cells[7]) > 0 and 0 <= float(cells[5]) <= float(cells[4])  # states within the peak
 
 
+@pytest.mark.slow  # minutes of CPU: `python -m pytest -m slow` runs it
 def test_train_check_compares_each_variants_curve_with_the_first_and_sees_a_repeat_match(corpus, tmp_path):
     """kda_train_check on the CPU: a repeated deterministic variant matches the first bit for bit (diff 0,
     'all logged losses bitwise equal'); a variant with another learning rate differs from it; each run's

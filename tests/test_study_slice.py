@@ -3,6 +3,7 @@ sees it finish, `collect` packs the run directories without checkpoints, the cor
 `import` takes the completed runs into the study; started again on a fresh run folder with the imported runs
 put back, the stage skips every run; stage `next` runs what the tuning says comes next and stage `ladder`
 refuses a configuration with no tuned rate."""
+import pytest
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ def slice_sh(*args: str, env: dict, check: bool = True) -> str:
     return done.stdout + ("" if check else done.stderr)
 
 
+@pytest.mark.slow  # minutes of CPU: `python -m pytest -m slow` runs it
 def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tmp_path):
     study = tmp_path / "study"
     study.mkdir()
@@ -80,6 +82,7 @@ def test_a_stage_runs_detached_is_collected_and_is_skipped_when_started_again(tm
     assert "ladder: no configuration is ready" in refused
 
 
+@pytest.mark.slow  # minutes of CPU: `python -m pytest -m slow` runs it
 def test_the_speed_stage_runs_each_configuration_alone_into_its_own_group(tmp_path):
     """Stage `speed`: one multirun after another (each run alone on the GPU, device_shared false), at the
     two depths, into runs/pycode_speed/, which `collect` packs beside the study's runs."""
