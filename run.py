@@ -51,8 +51,10 @@ def quote_paths(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    import faulthandler
     import sys
 
+    faulthandler.enable()  # a process that crashes in native code (a worker rank too) leaves its Python stack
     sys.argv = [sys.argv[0], *quote_paths(sys.argv[1:])]
     register_help_page()
     run_command(main)

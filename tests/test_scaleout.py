@@ -2,6 +2,7 @@
 one-process curve over the same global batch (K3 default: optim=muon_per_head, balance=qb; fp32 with fp32
 Newton-Schulz, to 1e-5), an FSDP run killed by SIGKILL after a sharded checkpoint resumes on the
 uninterrupted run's curve, and a DDP multirun runs each of its configs once."""
+import itertools
 import json
 import os
 import re
@@ -35,8 +36,20 @@ def cache(tmp_path_factory):
         yield
 
 
+_LAUNCHES = itertools.count()
+
+
+def own_port() -> dict:
+    """The environment of one 2-process launch with a rendezvous port of its own: below the kernel's
+    ephemeral range (32768 and up on Linux), where the ports that Lightning and the other tests take by
+    binding port 0 never fall, and distinct per xdist worker and per launch, so that two runs started at
+    once (on two workers, or a killed run and its resumption) never meet at one rendezvous."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    return {**os.environ, "MASTER_PORT": str(21000 + 500 * worker + next(_LAUNCHES))}
+
+
 def run_two(args: list[str], name: str) -> str:
-    proc = run_cli([*args, *TWO_CPUS, f"run_name={name}"])
+    proc = run_cli([*args, *TWO_CPUS, f"run_name={name}"], env=own_port())
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
     return log
@@ -93,7 +106,7 @@ def test_ddp_and_fsdp_follow_the_one_process_curve(runs, tmp_path):
 
 def test_fsdp_killed_after_a_checkpoint_resumes_on_the_uninterrupted_curve(runs, corpus, out):
     victim = run_cli([*overrides(corpus, out, *STEPS, "trainer=fsdp"), *TWO_CPUS, "run_name=killed"],
-                     start_new_session=True)
+                     start_new_session=True, env=own_port())
     killed = out / "default" / "killed"
     ckpt = killed / "checkpoints" / "last.ckpt"
     deadline = time.time() + 300
@@ -105,7 +118,7 @@ def test_fsdp_killed_after_a_checkpoint_resumes_on_the_uninterrupted_curve(runs,
     status = json.loads((killed / "summary.json").read_text())["status"]
     assert status == "running", f"status {status!r} after the kill; the victim's output:\n{victim_log}"
 
-    resumed = run_cli([f"resume={killed}", f"out_dir={out}"])
+    resumed = run_cli([f"resume={killed}", f"out_dir={out}"], env=own_port())
     log = resumed.communicate(timeout=600)[0]
     both = f"victim's output:\n{victim_log}\nresumed run's output:\n{log}"
     assert resumed.returncode == 0 and "resuming" in log and "from step 4" in log, both
