@@ -50,7 +50,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from analysis.branches import is_trunk
+from analysis.trunks import is_trunk
 from analysis.collect import collect
 from analysis.rates import tune_cell, value_text, write_report
 import k3lab.config  # noqa: F401  registers the schema conf/config.yaml composes onto (k3lab_schema)

@@ -12,10 +12,13 @@ Modules (the commands: `python -m analysis.<name> --help`):
     ablate      the ablation table per switch, each option against the K3 default (command)
     headline    one row per switch option: delta, per-size multipliers and trend, the fitted multiplier where
                 its fit is adequate, throughput at its utilisation, the wall-clock multiplier
+    approach1   Chinchilla approach 1 on a ladder: L(D) per size, the envelope's crossovers, N_opt ∝ C^a
     approach3   Chinchilla approach 3 (+ bootstrap, leave-largest-out, compute-optimal allocation)
     isoflop     Chinchilla approach 2 (isoFLOP parabolas)
     power_law   L(C) per variant, alone or with a shared exponent
-    noise       points of a ladder, the seed noise pooled over them, a fit's test against it
+    noise       points of a ladder, the seed noise pooled over them and its correlation within a trunk's
+                branches, a fit's test against it, seed-noise replicates of the point means
+    trunks      which runs are WSD trunks and branches, which points share a trunk
     multipliers compute multipliers per size and from a shared fit, with seed-noise intervals, and their trend
     plan        seeds per point for a minimum detectable effect, the validation-size term, a plan's cost (command)
     scaling     approach 3 on run directories or a CSV (command)
@@ -36,7 +39,7 @@ _EXPORTS = {
     "Collection": "collect", "collect_runs": "collect", "load_csv": "collect",
     "N_DEFINITIONS": "collect", "C_DEFINITIONS": "collect",
     "DEFAULT_BASELINE": "cells", "ablation_table": "ablate", "tuning_table": "tuning", "headline": "headline",
-    "ChinchillaFit": "approach3", "fit_chinchilla": "approach3", "bootstrap_chinchilla": "approach3",
+    "fit_approach1": "approach1", "ChinchillaFit": "approach3", "fit_chinchilla": "approach3", "bootstrap_chinchilla": "approach3",
     "leave_largest_out": "approach3", "fit_isoflop": "isoflop", "fit_loss_vs_compute": "power_law",
     "compute_multipliers": "multipliers", "Multipliers": "multipliers", "SeedNoise": "noise",
     "points_table": "noise", "seeds_for_mde": "plan",

@@ -218,6 +218,7 @@ class ChinchillaBootstrap:
     seed: int
     init: np.ndarray
     kappa: float = 6.0  # the allocation's C = kappa N D
+    units: int = 0  # the resampling units drawn (the points' count where each is its own)
 
     @property
     def n_requested(self) -> int:
@@ -260,30 +261,45 @@ def _theta_frame(th: np.ndarray) -> dict:
 
 def bootstrap_chinchilla(n, d, loss, n_boot: int = 4000, seed: int = 42, init: Optional[np.ndarray] = None,
                          delta: float = 1e-3, method: str = "L-BFGS-B", progress: bool = False,
-                         description: str = "bootstrap (approach 3)", kappa: float = 6.0) -> ChinchillaBootstrap:
+                         description: str = "bootstrap (approach 3)", kappa: float = 6.0,
+                         units: Optional[Sequence] = None) -> ChinchillaBootstrap:
     """Non-parametric bootstrap over points (runs): resample with replacement, refit from `init` (the
     full-data best point; default Hoffmann's values), check each replicate's convergence (optimizer
     success and max |gradient| < GRAD_TOL). method: 'L-BFGS-B' or 'BFGS' (Epoch's choice). kappa: the
-    allocations' C = kappa N D."""
+    allocations' C = kappa N D. units: one label per point; the points of one label are drawn together (a
+    cluster bootstrap: the cooldown branches of one trunk, analysis.trunks.resampling_units); default each
+    point alone."""
     from rich.progress import track
 
     log_n, log_d, log_l = _prepare(n, d, loss)
     init = HOFFMANN_THETA if init is None else np.asarray(init, float)
     rng = np.random.default_rng(seed)
-    k = len(log_n)
+    members = unit_members(len(log_n), units)
+    k = len(members)
     rows = np.empty((n_boot, 5))
     fun, ok = np.empty(n_boot), np.empty(n_boot, bool)
     opts = LBFGS_TIGHT if method == "L-BFGS-B" else {"gtol": 1e-10, "maxiter": 10_000}
     with single_thread_blas():
         for i in track(range(n_boot), description=description, disable=not progress, transient=True):
-            idx = rng.integers(0, k, k)
+            draw = rng.integers(0, k, k)
+            idx = draw if k == len(log_n) else np.concatenate([members[u] for u in draw])
             data = (log_n[idx], log_d[idx], log_l[idx], delta)
             res = minimize(huber_lse_objective, init, args=data, jac=True, method=method, options=opts)
             rows[i], fun[i] = res.x, res.fun
             ok[i] = _is_converged(res, data) and res.x[3] > 0 and res.x[4] > 0
     df = pd.DataFrame(_theta_frame(rows))
     df["objective"], df["converged"] = fun, ok
-    return ChinchillaBootstrap(replicates=df, seed=seed, init=init, kappa=kappa)
+    return ChinchillaBootstrap(replicates=df, seed=seed, init=init, kappa=kappa, units=k)
+
+
+def unit_members(n_points: int, units: Optional[Sequence] = None) -> list[np.ndarray]:
+    """The point indices of each resampling unit, in order of first appearance; each point alone without units."""
+    if units is None:
+        return [np.array([i]) for i in range(n_points)]
+    labels = pd.Series(list(units))
+    if len(labels) != n_points:
+        raise ValueError(f"units has {len(labels)} labels for {n_points} points")
+    return [np.asarray(ix) for ix in labels.groupby(labels, sort=False).indices.values()]
 
 
 def size_groups(n: np.ndarray, sig: int = 3) -> np.ndarray:

@@ -1,17 +1,15 @@
 """Cooldown branches of WSD trunks, read from run directories (docs/schedules.md, docs/run_directory.md).
 
-The contract. A trunk's summary.json lists its branches' budgets (`branches`) and branch points
-(`branch_steps`); its end is at the peak rate, so it is no (N, D) point. A branch's summary.json names its
-trunk (`trunk`: a run name, the directory beside its own) and its branch point (`branch_step`); its
-metrics.jsonl begins with the trunk's rows up to that step, copied (every row with step <= branch_step is
-the trunk's: mark_shared), and `steps_trained` / `flops_trained` count only what the branch trained itself.
-Branches of one trunk share their prefix: they are (N, D) points of one size, never seeds of one point.
+Which runs are trunks and branches is analysis.trunks' (the run-directory contract). A branch's
+metrics.jsonl begins with the trunk's rows up to its branch point, copied (every row with step <=
+branch_step is the trunk's: mark_shared), and `steps_trained` / `flops_trained` count only what the branch
+trained itself. As (N, D) points of the scaling fits, branches go through analysis.report (analysis.trunks
+drops the trunks and keeps each family together).
 
     branch_table    one row per branch: its trunk, N, tokens, final loss and the trunk's loss at the same step
     vs_separate     each branch against the separate runs of the same model, tokens and seed (cosine runs)
     compute_saved   per trunk and in all: the steps and FLOPs trained (each shared prefix once) against the
                     same points trained as separate runs
-    scaling_points  the runs that are (N, D) points (all but trunks), `shares_trunk` naming a branch's trunk
 
     python -m analysis.branches runs/cpu_wsd_ladder runs/cpu_cosine_ladder --out docs/reports/wsd_ladder
 """
@@ -27,34 +25,11 @@ from scipy import stats
 
 from analysis import plots
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
+from analysis.trunks import is_branch, is_trunk, trunk_ids
 
 N_COL = N_DEFINITIONS[DEFAULT_N]
 # what makes a separate run the same point as a branch: the model and data, the tokens trained, the seed
 SAME_POINT = ("model", "data", N_COL, "tokens", "seed")
-
-
-def is_trunk(runs: pd.DataFrame) -> pd.Series:
-    """Runs whose summary.json lists branch points: WSD trunks."""
-    if "branch_steps" not in runs:
-        return pd.Series(False, index=runs.index)
-    return runs["branch_steps"].map(lambda v: isinstance(v, (list, tuple)) and len(v) > 0)
-
-
-def is_branch(runs: pd.DataFrame) -> pd.Series:
-    """Runs whose summary.json names a trunk: cooldown branches."""
-    if "trunk" not in runs:
-        return pd.Series(False, index=runs.index)
-    return runs["trunk"].map(lambda v: isinstance(v, str) and v != "")
-
-
-def trunk_ids(runs: pd.DataFrame) -> pd.Series:
-    """For each branch, the run_id of its trunk (the run in the directory beside it named `trunk`); NaN for
-    the other runs, and for a branch whose trunk is not among `runs`."""
-    by_path = {Path(p).resolve(): rid for p, rid in zip(runs["path"], runs["run_id"])}
-    out = pd.Series(np.nan, index=runs.index, dtype=object)
-    for i in runs.index[is_branch(runs)]:
-        out[i] = by_path.get((Path(runs.at[i, "path"]).parent / runs.at[i, "trunk"]).resolve(), np.nan)
-    return out
 
 
 def mark_shared(curves: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
@@ -63,12 +38,6 @@ def mark_shared(curves: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     start = runs.set_index("run_id")["branch_step"] if "branch_step" in runs else pd.Series(dtype=float)
     step0 = curves["run_id"].map(start)
     return curves.assign(shared_prefix=(curves["step"] <= step0).fillna(False).astype(bool))
-
-
-def scaling_points(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs that are (N, D) points for the scaling fits: every run but the trunks, with `shares_trunk`
-    (the trunk's run_id for a branch, NaN otherwise): points that share a trunk are not independent seeds."""
-    return runs[~is_trunk(runs)].assign(shares_trunk=trunk_ids(runs)[~is_trunk(runs)])
 
 
 def _trunk_loss_at(curves: pd.DataFrame, trunk: str, step: int) -> float:

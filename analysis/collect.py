@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.switches import SWITCHES
+from analysis.trunks import is_trunk, scaling_points
 
 CANONICAL = ("N", "D", "C", "loss")
 
@@ -409,17 +410,19 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
 def runs_to_scaling(runs: pd.DataFrame, n: str = DEFAULT_N, c: str = DEFAULT_C, d_col: str = "tokens",
                     loss_col: str = "loss_val_final") -> pd.DataFrame:
     """runs DataFrame -> the canonical table (N, D, C, loss and every other column kept). n, c: names of
-    N_DEFINITIONS and C_DEFINITIONS; the table's attrs record them (`n_def`, `c_def`)."""
+    N_DEFINITIONS and C_DEFINITIONS; the table's attrs record them (`n_def`, `c_def`) and the WSD trunks
+    left out (`trunks_left_out`: a trunk ends at the peak rate, no (N, D) point; analysis.trunks), and
+    `trunk_id` names each cooldown branch's trunk."""
     n_col, c_col = N_DEFINITIONS[n], C_DEFINITIONS[c]
     missing = [x for x in (n_col, c_col, d_col, loss_col) if x not in runs.columns]
     if missing:
         raise KeyError(f"runs have no column(s) {missing}; choose N with --n, C with --c, D and the loss with "
                        "--d-col / --loss-col")
-    df = runs.copy()
-    df["N"], df["D"], df["loss"] = runs[n_col].astype(float), runs[d_col].astype(float), runs[loss_col].astype(float)
-    df["C"] = runs[c_col].astype(float)
+    df = scaling_points(runs)
+    df["N"], df["D"], df["loss"] = df[n_col].astype(float), df[d_col].astype(float), df[loss_col].astype(float)
+    df["C"] = df[c_col].astype(float)
     df = df.dropna(subset=["N", "D", "C", "loss"]).reset_index(drop=True)
-    df.attrs.update(n_def=f"{n} ({n_col})", c_def=f"{c} ({c_col})")
+    df.attrs.update(n_def=f"{n} ({n_col})", c_def=f"{c} ({c_col})", trunks_left_out=int(is_trunk(runs).sum()))
     return df
 
 

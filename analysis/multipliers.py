@@ -23,7 +23,9 @@ seeds, sd_b a draw of the seed noise with its own estimation uncertainty, analys
 Per size the replicates move the observed means (there is no model to refit); for the fit they move the
 fitted values and the fit is redone (analysis.power_law.refit_shared). Percentile intervals. Resampling the
 seeds of a point instead would give its mean (n-1)/n of its variance from at most a handful of distinct
-resamples at three seeds, and nothing at one.
+resamples at three seeds, and nothing at one. Cooldown branches of one trunk share their prefix: their
+means move together, with the correlation measured from the seeds (analysis.noise.trunk_correlation,
+replicate_means), and the fit tests use that covariance.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import isotonic_regression
 
-from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
+from analysis.noise import (SeedNoise, TrunkCorrelation, adequacy, mean_covariance, points_table, pooled_noise,
+                            replicate_means, trunk_correlation)
 from analysis.power_law import fit_loss_vs_compute, fit_loss_vs_compute_shared, pareto_frontier, refit_shared
 
 TABLE_COLUMNS = ["variant", "N", "D", "C", "n", "loss", "multiplier", "lo", "hi", "method", "adequate",
@@ -68,17 +71,12 @@ def log_compute_for_loss(log_c: np.ndarray, log_l: np.ndarray, target: np.ndarra
         return np.where(y1 != y0, x0 + (target - y0) * (x1 - x0) / (y1 - y0), np.nan)
 
 
-def replicate_losses(loss: np.ndarray, n_seeds: np.ndarray, noise: SeedNoise, n_boot: int,
-                     rng: np.random.Generator) -> np.ndarray:
-    """(n_boot, P) replicates of P point means: loss + sd_b z / sqrt(n) (module docstring)."""
-    sd = noise.draw(rng, n_boot)[:, None]
-    return loss[None, :] + sd * rng.standard_normal((n_boot, len(loss))) / np.sqrt(n_seeds)[None, :]
-
-
 def per_size(base: pd.DataFrame, var: pd.DataFrame, noise: SeedNoise, n_boot: int = 1000,
-             rng: Optional[np.random.Generator] = None, level: float = 0.95) -> tuple[pd.DataFrame, np.ndarray]:
+             rng: Optional[np.random.Generator] = None, level: float = 0.95,
+             rho: float = 0.0) -> tuple[pd.DataFrame, np.ndarray]:
     """The variant's multiplier at each of its points against the baseline's interpolated points, with
-    intervals from seed noise. base, var: points (C, loss, n) of one variant each (analysis.noise.points_table).
+    intervals from seed noise. base, var: points (C, loss, n, trunks) of one variant each
+    (analysis.noise.points_table); rho: the correlation of branch points of one trunk (TrunkCorrelation.used).
     Returns (var's rows in increasing C with multiplier, lo, hi, extrapolated, crossover; the replicates of
     log m, (n_boot, J), NaN where undefined)."""
     rng = np.random.default_rng(0) if rng is None else rng
@@ -94,8 +92,7 @@ def per_size(base: pd.DataFrame, var: pd.DataFrame, noise: SeedNoise, n_boot: in
 
     point = log_m(lb[None], lv[None])[0]
     if noise.known and n_boot:
-        reps = log_m(replicate_losses(lb, nb, noise, n_boot, rng),
-                     replicate_losses(lv, var["n"].to_numpy(float), noise, n_boot, rng))
+        reps = log_m(replicate_means(base, noise, rho, n_boot, rng), replicate_means(var, noise, rho, n_boot, rng))
     else:
         reps = np.full((0, len(var)), np.nan)
     q = (1 - level) / 2
@@ -150,12 +147,14 @@ class Multipliers:
     """Every compute multiplier of a ladder against its baseline, and the fits behind the fitted ones.
 
     points: one row per point (analysis.noise.points_table) with `used` (on the variant's frontier when the
-    points are selected so); noise: the seed noise of every interval; per_size: one row per variant point
+    points are selected so); noise: the seed noise of every interval; correlation: that of the branch
+    points of one trunk (analysis.noise.trunk_correlation); per_size: one row per variant point
     (per_size); trends: one row per variant with >= 2 sizes (trend); fits: every L(C) fit with its adequacy
     (kind 'own' per variant, 'shared' per baseline-variant pair); curves: the variants' own fits."""
     baseline: str
     points: pd.DataFrame
     noise: SeedNoise
+    correlation: TrunkCorrelation
     per_size: pd.DataFrame
     trends: pd.DataFrame
     fits: pd.DataFrame
@@ -193,6 +192,8 @@ def compute_multipliers(df: pd.DataFrame, baseline: str = "baseline", variant_co
         for v, g in points.groupby("variant", sort=False):
             points.loc[g.index, "used"] = pareto_frontier(g["C"], g["loss"])
     noise = pooled_noise(points) if noise is None else noise
+    corr = trunk_correlation(df, variant_col, seed_col)
+    rho = corr.used
     rng = np.random.default_rng(seed)
     used = points[points["used"]]
     groups = {v: g.sort_values("C") for v, g in used.groupby("variant", sort=False)}
@@ -201,41 +202,43 @@ def compute_multipliers(df: pd.DataFrame, baseline: str = "baseline", variant_co
     for v, g in groups.items():
         if len(g) >= 4:
             curves[v] = fit = fit_loss_vs_compute(g["C"], g["loss"], g["n"])
-            a = adequacy(g["loss"] - fit.predict(g["C"]), g["n"], noise, 3)
+            a = adequacy(g["loss"] - fit.predict(g["C"]), g["n"], noise, 3, mean_covariance(g, rho))
             fits.append({"kind": "own", "variant": v, "points": len(g), "L_inf": fit.L_inf, "alpha": fit.alpha,
                          "A": fit.A, "C0": fit.C0, "chi2": a.chi2, "dof": a.dof, "p": a.p, "verdict": a.verdict})
         if v == baseline or len(base) < 2:
             continue
-        rows, reps = per_size(base, g, noise, n_boot, rng, level)
+        rows, reps = per_size(base, g, noise, n_boot, rng, level, rho)
         sizes.append(rows)
         if len(rows) >= 2:
             trends.append({"variant": v, **trend(rows, reps, level)})
         if len(g) >= 2 and len(base) + len(g) >= 5:
-            fits.append(shared_fit(base, g, baseline, v, noise, n_boot, rng, level))
+            fits.append(shared_fit(base, g, baseline, v, noise, n_boot, rng, level, rho))
     per_size_rows = (pd.concat(sizes, ignore_index=True) if sizes else pd.DataFrame(columns=[*points.columns,
                      "multiplier", "lo", "hi", "n_boot_ok", "extrapolated", "crossover"]))
-    return Multipliers(baseline=baseline, points=points, noise=noise, per_size=per_size_rows,
+    return Multipliers(baseline=baseline, points=points, noise=noise, correlation=corr, per_size=per_size_rows,
                        trends=pd.DataFrame(trends, columns=["variant", "sizes", "extrapolated", "slope", "lo", "hi",
                                                             "verdict", "crossovers", "n_boot_ok"]),
                        fits=pd.DataFrame(fits, columns=FIT_COLUMNS), curves=curves)
 
 
 def shared_fit(base: pd.DataFrame, var: pd.DataFrame, baseline: str, variant: str, noise: SeedNoise, n_boot: int,
-            rng: np.random.Generator, level: float) -> dict:
+               rng: np.random.Generator, level: float, rho: float = 0.0) -> dict:
     """The baseline-variant shared fit, its adequacy and its multiplier with a seed-noise interval: one row
-    of Multipliers.fits. base, var: points (C, loss, n) of the baseline and of the variant."""
+    of Multipliers.fits. base, var: points (C, loss, n, trunks) of the baseline and of the variant; rho: the
+    correlation of branch points of one trunk."""
     data = {k: (g["C"].to_numpy(float), g["loss"].to_numpy(float), g["n"].to_numpy(float))
             for k, g in ((baseline, base), (variant, var))}
     fit = fit_loss_vs_compute_shared(data)
-    resid = np.concatenate([d[1] - fit.curve(k).predict(d[0]) for k, d in data.items()])
-    a = adequacy(resid, np.concatenate([d[2] for d in data.values()]), noise, fit.n_params)
+    both = pd.concat([base, var], ignore_index=True)
+    predicted = np.concatenate([fit.curve(k).predict(d[0]) for k, d in data.items()])
+    a = adequacy(both["loss"].to_numpy(float) - predicted, both["n"], noise, fit.n_params,
+                 mean_covariance(both, rho))
     mult = (fit.A[baseline] / fit.A[variant]) ** (1 / fit.alpha)
     lo = hi = np.nan
     ok = 0
     if noise.known and n_boot:
-        sd = noise.draw(rng, n_boot)[:, None]
-        losses = {k: fit.curve(k).predict(d[0])[None, :] + sd * rng.standard_normal((n_boot, len(d[0])))
-                  / np.sqrt(d[2])[None, :] for k, d in data.items()}
+        reps = replicate_means(both, noise, rho, n_boot, rng, center=predicted)
+        losses = {baseline: reps[:, :len(base)], variant: reps[:, len(base):]}
         theta, good = refit_shared(fit, data, losses)
         m = np.exp((theta[good, 2] - theta[good, 3]) / theta[good, 1])
         q = (1 - level) / 2

@@ -6,6 +6,7 @@
     plot_ablation          delta against the baseline with 95% CIs, one panel per switch
     plot_maxvio            MoE MaxVio against step, one colour per option
     plot_optimal           approach 3: N_opt(C) and D_opt/N_opt with bootstrap bands, per fit
+    plot_approach1         approach 1: loss against compute per size, its fitted line and the envelope's crossovers
 """
 from __future__ import annotations
 
@@ -105,6 +106,21 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
     return fig
 
 
+def _loss_against_flops(fig, ax, title: str):
+    """Log-log axes of loss against training FLOPs, with their labels, grid, legend and title: the figure."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log(ax.yaxis)
+    _decade_labels(ax.xaxis)
+    ax.set_xlabel("training FLOPs")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, frontier: bool = True,
                          color_by: str = "variant", extra_curves: Optional[dict] = None,
                          c_col: str = "C", loss_col: str = "loss", title: str = "Loss against compute"):
@@ -136,17 +152,7 @@ def plot_loss_vs_compute(points: pd.DataFrame, fits: Optional[dict] = None, fron
         ax.step(f[c_col], f[loss_col], where="post", color="k", lw=1, alpha=0.6, label="frontier (data)")
     for i, (lab, fn) in enumerate((extra_curves or {}).items()):
         ax.plot(grid, fn(grid), ls="--", lw=1.5, color=PALETTE[(i + 3) % len(PALETTE)], label=lab)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log(ax.yaxis)
-    _decade_labels(ax.xaxis)
-    ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _loss_against_flops(fig, ax, title)
 
 
 def plot_isoflop(table: pd.DataFrame, fit, budget: np.ndarray, n_col: str = "N", loss_col: str = "loss"):
@@ -291,6 +297,27 @@ def plot_optimal(fits: dict, budgets: np.ndarray, boots: Optional[dict] = None, 
     fig.suptitle(f"Approach 3 compute-optimal allocation ({int(level * 100)}% bootstrap bands)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_approach1(points: pd.DataFrame, fit):
+    """Approach 1 (analysis.approach1): each size's point means against compute with +-1 seed sd of the
+    mean, its fitted line over its own points (solid) and beyond them across the data (dotted), and the
+    crossovers of the envelope (x: extrapolated, o: within both sizes' compute)."""
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    grid = np.geomspace(points["C"].min(), points["C"].max(), 200)
+    sizes = list(fit.fits["N"])
+    colors = _colors(sizes)
+    sd = fit.noise.sd if fit.noise.known else 0.0
+    for n in sizes:
+        g = points[points["N"] == n].sort_values("C")
+        ax.errorbar(g["C"], g["loss"], yerr=sd / np.sqrt(g["n"]), fmt="o", ms=3.5, color=colors[n], capsize=2,
+                    label=f"N = {n:,.0f}")
+        own = np.geomspace(g["C"].min(), g["C"].max(), 50)
+        ax.plot(grid, fit.predict(n, grid), color=colors[n], lw=0.9, ls=":")
+        ax.plot(own, fit.predict(n, own), color=colors[n], lw=1.6)
+    for _, c in fit.crossovers.iterrows():
+        ax.plot(c["C"], c["loss"], marker="o" if c["in data range"] == "yes" else "x", color="k", ms=7, ls="")
+    return _loss_against_flops(fig, ax, f"Approach 1: L(D) per size, {fit.variant}")
 
 
 def plot_multipliers(mult):

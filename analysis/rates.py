@@ -5,7 +5,7 @@ at an edge of the grid, and the point beyond that edge; and how far the chosen r
 Cells. Runs share a cell when their resolved config.yaml is equal except for the seed, the run bookkeeping
 (analysis.ablate.BOOKKEEPING, and train.trunk: a branch names a trunk of its own seed) and the rate keys
 (`rate_keys`, e.g. optim.lr_scale, or optim.lr_scale, optim.embed_lr_scale and optim.betas for a tuned
-AdamW). WSD trunks are left out (their end is at the peak rate: analysis.branches), so the branches of a
+AdamW). WSD trunks are left out (their end is at the peak rate: analysis.trunks), so the branches of a
 trunk family are cells of their own, one per length. A cell's choice is the setting with the lowest mean
 final validation loss over its runs on the tuning seeds (seed >= analysis.ablate.TUNE_SEED_MIN unless named).
 
@@ -34,7 +34,7 @@ from matplotlib.ticker import ScalarFormatter
 
 from analysis import plots
 from analysis.ablate import BOOKKEEPING, TUNE_SEED_MIN
-from analysis.branches import is_trunk
+from analysis.trunks import is_trunk
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
 
 RATE_KEYS = ("optim.lr_scale",)

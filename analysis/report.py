@@ -33,6 +33,7 @@ import pandas as pd
 from analysis import plots
 from analysis.ablate import (add_ablation_args, display_table, parse_baseline, print_ablation, read_primary,
                              table_from_args)
+from analysis.approach1 import MIN_TOKEN_COUNTS, fit_approach1
 from analysis.approach3 import (MIN_POINTS, MIN_SIZES, bootstrap_chinchilla, fit_chinchilla, flops_per_param_token,
                                 leave_largest_out, size_groups, why_not)
 from analysis.cells import BOOKKEEPING, variant_labels
@@ -44,10 +45,11 @@ from analysis.collect import (C_DEFINITIONS, N_DEFINITIONS, Collection, _split, 
 from analysis.headline import MIN_MFU, display_headline, headline
 from analysis.isoflop import fit_isoflop, flop_budgets
 from analysis.multipliers import Multipliers, compute_multipliers
-from analysis.noise import SeedNoise, adequacy, points_table, pooled_noise
+from analysis.noise import SeedNoise, adequacy, mean_covariance, points_table, pooled_noise, trunk_correlation
 from analysis.plan import paired_comparisons, window_sd
 from analysis.stats import ALPHA, POWER
 from analysis.tables import fmt, interval_texts, markdown_table
+from analysis.trunks import families, resampling_units
 from analysis.tuning import TUNE_SEED_MIN, tuning_table
 
 
@@ -321,16 +323,20 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
     kappa, k_lo, k_hi = flops_per_param_token(n, d, df["C"].to_numpy())
     fit = fit_chinchilla(n, d, loss, grid=args.grid, kappa=kappa)
     boot = bootstrap_chinchilla(n, d, loss, n_boot=args.n_boot, seed=args.seed, init=fit.theta, progress=True,
-                                description=f"bootstrap approach 3 ({name})", kappa=kappa) if args.n_boot else None
+                                description=f"bootstrap approach 3 ({name})", kappa=kappa,
+                                units=resampling_units(df)) if args.n_boot else None
     rep.add(f"### Approach 3 — {name}",
             f"{len(df)} points, {len(np.unique(size_groups(n)))} sizes; {fit.n_starts} L-BFGS-B starts, "
             f"{fit.n_near_best} end within 0.01% of the best objective {fit.objective:.6g} "
             f"(converged: {fit.converged}). "
             + (f"Bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged (seed {args.seed}; "
-               "refit from the best point; non-converged dropped)." if boot else ""))
+               "refit from the best point; non-converged dropped; " + ("the branches of a trunk drawn together)."
+                                                                      if boot.units < len(df) else "runs drawn one by one).")
+               if boot else ""))
     points = points_table(df, seed_col="seed")
     noise = SeedNoise.given(args.seed_noise) if args.seed_noise else pooled_noise(points)
-    test = adequacy(points["loss"] - fit.predict(points["N"], points["D"]), points["n"], noise, 5)
+    test = adequacy(points["loss"] - fit.predict(points["N"], points["D"]), points["n"], noise, 5,
+                    mean_covariance(points, trunk_correlation(df).used))
     rep.add("Against the seed noise (" + (f"sd {noise.sd:.4g}, {noise.source}" if noise.known else noise.source)
             + f"), at the {len(points)} point means: " + (
                 f"chi2 {test.chi2:.4g} on {test.dof} dof, p {fmt(test.p, 3)}: **{test.verdict}**." if test.dof and
@@ -386,14 +392,76 @@ def definitions(args) -> str:
             "(other definitions: --n, --c).")
 
 
+def has_token_counts(df: pd.DataFrame) -> bool:
+    """Whether some size of a scaling table has points at MIN_TOKEN_COUNTS token counts (approach 1)."""
+    return bool(len(df)) and bool((df.groupby("N")["D"].nunique() >= MIN_TOKEN_COUNTS).any())
+
+
+def section_trunks(rep: Report, df: pd.DataFrame) -> None:
+    """The WSD trunks left out of the points, and which points share a trunk."""
+    fam, left_out = families(df), df.attrs.get("trunks_left_out", 0)
+    if fam.empty and not left_out:
+        return
+    corr = trunk_correlation(df)
+    rep.add("### Points that share a trunk",
+            f"The runs read hold {left_out} WSD trunk(s), none of them a point: a trunk ends at the peak rate. Its "
+            "cooldown branches are points of their own, one per budget; the branches of one trunk share their "
+            "prefix, so they are never seeds of one point, and their seed noise is correlated: rho "
+            + (f"{corr.rho:.3f}, {corr.source} (used: {corr.used:.3f})" if np.isfinite(corr.rho) else
+               f"{corr.source}, so treated as 0 and the intervals below that average a family's points are too "
+               "narrow") + ". The fit tests use that covariance, and every resampling draws a trunk's branches "
+            "together (approach 1 and the multipliers: the seed-noise replicates; approach 3: its bootstrap).")
+    if len(fam):
+        rep.table(fam.rename(columns={"points": "branch points", "D": "D of its branch points"}))
+
+
+def section_approach1(rep: Report, df: pd.DataFrame, args, label: str) -> None:
+    """Approach 1 (analysis.approach1): L(D) per size, the envelope's crossovers and N_opt ∝ C^a."""
+    noise = SeedNoise.given(args.seed_noise) if args.seed_noise else None
+    fit = fit_approach1(df, label, noise=noise, n_boot=args.n_boot_small, seed=args.seed)
+    sd = fmt(fit.noise.sd, 4) if fit.noise.known else "unknown"
+    rep.add(f"### Approach 1 — L(D) per size, {label}",
+            f"At each size with points at >= {MIN_TOKEN_COUNTS} token counts, log L = log A_N - b_N log D "
+            "(weighted by seeds), tested against the seed noise (sd " + sd + f"; {fit.noise.source}) on points - 2 "
+            f"dof; 95% intervals from {fit.n_boot} seed-noise replicates of the point means (a trunk's "
+            "branches together). The envelope (the lowest loss of any size at each compute, searched over the "
+            "compute the ladder trained) changes size at the crossovers; N_opt ∝ C^a through them "
+            "(analysis/approach1.py).")
+    sizes = fit.sizes.assign(**{"b [95% CI]": interval_texts(fit.sizes["b"], fit.sizes["b_lo"], fit.sizes["b_hi"])})
+    rep.table(sizes[["N", "points", "seeds", "D", "b [95% CI]", "loss_first", "loss_last", "chi2", "dof", "p",
+                     "verdict"]].rename(columns={"loss_first": "loss at first D", "loss_last": "loss at last D"}))
+    if fit.crossovers.empty:
+        rep.add(f"The envelope keeps N = {fit.lowest:,.0f} over all the compute the ladder trained: no crossover.")
+    else:
+        c = fit.crossovers
+        cross = c.assign(**{"C [95% CI]": interval_texts(c["C"], c["C_lo"], c["C_hi"]), "in replicates": c["share"]})
+        rep.table(cross[["from_N", "to_N", "C [95% CI]", "in replicates", "loss", "in data range"]])
+        smaller = (fit.crossovers["to_N"] < fit.crossovers["from_N"]).any()
+        rep.add(("N_opt ∝ C^a: a = " + interval_texts([fit.a], [fit.a_lo], [fit.a_hi], 3)[0] + "."
+                 if np.isfinite(fit.a) else "N_opt ∝ C^a needs two crossovers; a is not estimated.")
+                + (" The envelope moves to a smaller size at some crossover: a smaller size's line is steeper, and "
+                   "its extrapolation, not a measurement, puts it below the larger one there." if smaller else ""))
+    points = points_table(df.assign(variant=label), seed_col="seed")
+    rep.figure(plots.plot_approach1(points[points["N"].isin(fit.fits["N"])], fit), f"approach1_{_slug(label)}",
+               f"Approach 1: loss against compute per size, {label} (dotted: a size's line beyond its points)")
+
+
+def _slug(text: str) -> str:
+    """A label as a file-name part: letters, digits, '-', '_', '.' kept, anything else '_'."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
+
+
 def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows") -> None:
     df = df.dropna(subset=["N", "D", "C", "loss"])
+    rep.add("## Scaling laws", definitions(args))
+    section_trunks(rep, df)
+    if has_token_counts(df):
+        section_approach1(rep, df, args, label)
     reason = why_not(df["N"], df["D"])
     if reason:
-        rep.add("## Scaling laws", definitions(args), f"Approaches 3 and 2: skipped: {reason}. L(C) and the compute "
-                "multipliers (below, where there are variants) need neither.")
+        rep.add(f"Approaches 3 and 2: skipped: {reason}. L(C) and the compute multipliers (below, where there are "
+                "variants) need neither.")
         return
-    rep.add("## Scaling laws", definitions(args))
     budgets = (np.array(parse_budgets(args.budgets)) if args.budgets
                else default_budgets(df["C"].to_numpy()))
     scen = {label: df}
@@ -663,8 +731,10 @@ def main(argv: Optional[list[str]] = None) -> Path:
         mult = None
         if df is not None:
             base = df[df["variant"] == args.baseline_variant]
-            if len(base) >= MIN_POINTS and len(np.unique(size_groups(base["N"]))) >= MIN_SIZES:
-                rep.add("Approaches 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every variant.")
+            if (len(base) >= MIN_POINTS and len(np.unique(size_groups(base["N"]))) >= MIN_SIZES
+                    or has_token_counts(base)):
+                rep.add("Approaches 1, 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every "
+                        "variant.")
                 section_scaling(rep, base, args, label=args.baseline_variant)
             mult = section_multipliers(rep, df, args)
         if not table.empty:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from analysis.branches import branch_table, compute_saved, is_branch, is_trunk, mark_shared, scaling_points, \
-    vs_separate, write_report
+from analysis.branches import branch_table, compute_saved, mark_shared, vs_separate, write_report
 from analysis.collect import collect
+from analysis.trunks import is_branch, is_trunk, scaling_points
 
 N, PER_STEP, FPT = 1000, 10, 6000.0  # parameters, tokens per step, FLOPs per token
 
@@ -60,7 +60,8 @@ def test_every_branch_finds_its_trunk_and_the_trunks_loss_at_the_same_step(sweep
         assert r["loss_minus_trunk"] == pytest.approx(-0.1 - 0.01 * r["seed"])
     points = scaling_points(col.runs)
     assert not is_trunk(points).any() and len(points) == 8
-    assert set(points.loc[is_branch(points), "shares_trunk"]) == {"wsd/seed=0", "wsd/seed=1"}
+    assert set(points.loc[is_branch(points), "trunk_id"]) == {"wsd/seed=0", "wsd/seed=1"}
+    assert points.loc[~is_branch(points), "trunk_id"].isna().all()
 
 
 def test_each_branch_is_paired_with_the_separate_run_of_its_seed(sweep):
