@@ -218,10 +218,19 @@ def model_counts(model_yaml: str, vocab_size: int, seq_len: int) -> tuple[int, f
     return model.param_counts()["params_active_non_embedding"], flops_per_token(model, seq_len)
 
 
-def job_length(cfg, vocab_size: int) -> tuple[int, int, int, int]:
-    """(N, the steps one job trains, tokens per step, the steps of its points as separate runs) of a composed
-    run config, without data or training: a WSD trunk's job trains the trunk and each branch's own steps after
-    its branch point (k3lab/branches.py), where separate runs would train every branch from step 0."""
+class JobLength(NamedTuple):
+    """What one job of a composed run config trains, without data or training."""
+    n: int               # active non-embedding parameters
+    flops_per_token: float
+    steps: int           # the steps the job trains: a WSD trunk and each branch's own steps after its branch point
+    tokens_per_step: int
+    separate: int        # the steps of its points as separate runs (every branch from step 0)
+    first: int           # the steps of its shortest and longest (N, D) point (the one run without branches)
+    last: int
+
+
+def job_length(cfg, vocab_size: int) -> JobLength:
+    """One job's length (JobLength) from a composed run config (k3lab/branches.py for a WSD trunk's job)."""
     from k3lab.branches import branch_plan
     from k3lab.budget import run_length
     from k3lab.config import SWITCH_SCHEMAS, OptimConfig, TrainConfig, typed
@@ -231,16 +240,18 @@ def job_length(cfg, vocab_size: int) -> tuple[int, int, int, int]:
     per_step = cfg.data.batch_size * cfg.data.seq_len * max(cfg.trainer.devices, 1) * cfg.trainer.num_nodes
     steps = run_length(cfg.train, n, fpt, per_step).max_steps
     if not cfg.train.get("branches"):
-        return n, steps, per_step, steps
+        return JobLength(n, fpt, steps, per_step, steps, steps, steps)
     branches = branch_plan(typed(TrainConfig, cfg.train), typed(OptimConfig, cfg.optim), steps, n, fpt, per_step)
-    return n, steps + sum(b.steps - b.start for b in branches), per_step, sum(b.steps for b in branches)
+    return JobLength(n, fpt, steps + sum(b.steps - b.start for b in branches), per_step,
+                     sum(b.steps for b in branches), branches[0].steps, branches[-1].steps)
 
 
 def dry_run(plan: dict, extra: list[str]) -> pd.DataFrame:
     """The jobs stage 1 and stage 2 launch, without training: per cell and stage, the jobs, their steps and
     tokens, the device minutes at the plan's tokens/s of each size alone on the device (dry_run.tokens_per_s),
     and the minutes the same points would take as separate runs (a WSD family's shared prefix trained once
-    per branch). Widening adds one tuning job per edge."""
+    per branch), and the compute of each job's shortest and longest point (C_first, C_last: FLOPs per token x
+    tokens). Widening adds one tuning job per edge."""
     speed = plan["dry_run"].get("tokens_per_s", {})
     rows = []
     for c in cells(plan):
@@ -252,14 +263,30 @@ def dry_run(plan: dict, extra: list[str]) -> pd.DataFrame:
             if not vocab:
                 raise ConfigError(f"dry_run.vocab_size: data={cfg.data.name} takes its vocabulary from its files; "
                                   "state it in the plan")
-            n, steps, per_step, separate = job_length(cfg, vocab)
+            job = job_length(cfg, vocab)
             per_minute = speed[c.size] * 60 if c.size in speed else float("nan")
-            rows.append({"variant": c.variant, "size": c.size, "N": n, "stage": stage, "jobs": jobs,
-                         "steps_per_job": steps, "tokens_per_job": steps * per_step,
-                         "minutes_per_job": steps * per_step / per_minute,
-                         "minutes": jobs * steps * per_step / per_minute,
-                         "minutes_if_separate": jobs * separate * per_step / per_minute})
+            tokens = job.steps * job.tokens_per_step
+            rows.append({"variant": c.variant, "size": c.size, "N": job.n, "stage": stage, "jobs": jobs,
+                         "steps_per_job": job.steps, "tokens_per_job": tokens, "minutes_per_job": tokens / per_minute,
+                         "minutes": jobs * tokens / per_minute,
+                         "minutes_if_separate": jobs * job.separate * job.tokens_per_step / per_minute,
+                         "C_first": job.flops_per_token * job.first * job.tokens_per_step,
+                         "C_last": job.flops_per_token * job.last * job.tokens_per_step})
     return pd.DataFrame(rows)
+
+
+def compute_overlaps(table: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, each pair of neighbouring sizes (by N) of its reported seeds (dry_run's table): the
+    compute the smaller size's longest point trains over what the larger size's shortest point trains. Above
+    1 the two sizes train overlapping compute, so approach 1 can measure where their loss curves cross
+    (analysis/approach1.py); below, the crossover is an extrapolation."""
+    rows = []
+    for variant, g in table[table["stage"] == "seeds"].groupby("variant", sort=False):
+        g = g.sort_values("N")
+        for (_, small), (_, large) in zip(g.iterrows(), g.iloc[1:].iterrows()):
+            rows.append({"variant": variant, "sizes": f"{small['size']}-{large['size']}",
+                         "overlap": small["C_last"] / large["C_first"]})
+    return pd.DataFrame(rows, columns=["variant", "sizes", "overlap"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,7 +301,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         table = dry_run(plan, args.overrides)
         with pd.option_context("display.width", 160, "display.max_columns", 20):
-            print(table.to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
+            print(table.drop(columns=["C_first", "C_last"]).to_string(index=False, float_format=lambda v: f"{v:,.1f}"))
+        overlaps = compute_overlaps(table)
+        if len(overlaps):
+            print("approach 1, compute of a size's longest point over its larger neighbour's shortest (> 1: the "
+                  "crossover is measured): " + "; ".join(f"{r.variant} {r.sizes} {r.overlap:.2f}"
+                                                          for r in overlaps.itertuples()))
         tokens = (table["jobs"] * table["tokens_per_job"]).sum()
         minutes = (f"{table['minutes'].sum():,.0f} device minutes alone on the device (stage 1 "
                    f"{table[table.stage == 'tune']['minutes'].sum():,.0f}, stage 2 "

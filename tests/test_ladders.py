@@ -90,8 +90,26 @@ def test_the_dry_run_prices_every_job_from_the_models_counts():
                                                                rel=1e-12)
             assert run_length(cfg.train, n, flops_per_token(model, 2048), per_step).max_steps == lengths[-1]
             assert lengths[-1] * per_step / 110.5e6 < 4.1  # the longest branch within about 4 epochs of the corpus
+            fpt = flops_per_token(model, 2048)
+            assert (row["C_first"], row["C_last"]) == pytest.approx((fpt * lengths[0] * per_step,
+                                                                     fpt * lengths[-1] * per_step), rel=1e-12)
         assert row["steps_per_job"] == steps and row["tokens_per_job"] == steps * per_step
         assert row["minutes"] == pytest.approx(row["jobs"] * steps * per_step / speed[row["size"]] / 60, rel=1e-12)
+
+
+def test_the_presets_neighbouring_sizes_train_overlapping_compute():
+    """Approach 1 measures where two sizes' curves cross only where they train overlapping compute: the
+    longest point of each ladder size beyond the shortest of the next (tune.compute_overlaps), for every
+    configuration of the second study."""
+    table = tune.dry_run(tune.load_plan(STUDY), DATA)
+    overlaps = tune.compute_overlaps(table)
+    assert set(overlaps["variant"]) == {"k3", "standard", "adamw"}
+    for _, r in overlaps.iterrows():
+        small, large = r["sizes"].split("-")
+        rows = table[(table["stage"] == "seeds") & (table["variant"] == r["variant"])].set_index("size")
+        assert rows.loc[small, "N"] < rows.loc[large, "N"]
+        assert r["overlap"] == pytest.approx(rows.loc[small, "C_last"] / rows.loc[large, "C_first"])
+        assert r["overlap"] > 1, overlaps
 
 
 def test_the_dry_run_command_runs_in_a_fresh_process():
