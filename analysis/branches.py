@@ -25,6 +25,7 @@ from scipy import stats
 
 from analysis import plots
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
+from analysis.tables import markdown_table
 from analysis.trunks import is_branch, is_trunk, trunk_ids
 
 N_COL = N_DEFINITIONS[DEFAULT_N]
@@ -164,19 +165,6 @@ def plot_families(curves: pd.DataFrame, runs: pd.DataFrame, seed: int = 0):
     return fig
 
 
-def _md(df: pd.DataFrame, digits: int = 4) -> str:
-    def cell(v):
-        if isinstance(v, (float, np.floating)):
-            if np.isnan(v):
-                return ""
-            if float(v).is_integer() and abs(v) < 1e12:
-                return f"{v:,.0f}"
-            return f"{v:.{digits}f}" if abs(v) < 1e4 else f"{v:.4g}"
-        return f"{v:,}" if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else str(v)
-    head = "| " + " | ".join(map(str, df.columns)) + " |\n|" + "---|" * len(df.columns)
-    return "\n".join([head, *("| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False))])
-
-
 def write_report(paths: list[str], out: Path, seed: int = 0) -> Path:
     """report.md (and branches.csv, separate.csv, compute.csv, families.png) for the runs under `paths`."""
     col = collect(paths, verbose=True)
@@ -191,7 +179,7 @@ def write_report(paths: list[str], out: Path, seed: int = 0) -> Path:
     lines += ["## Each branch against its trunk at the same step", "",
               f"{below} of {len(table)} branches end below their trunk's validation loss at the same step "
               "(the trunk holds the peak rate; the branch decayed over its last steps).", "",
-              _md(table.drop(columns=["run_id"])), ""]
+              markdown_table(table.drop(columns=["run_id"])), ""]
     pairs, summary = vs_separate(runs)
     if len(pairs):
         pairs.to_csv(out / "separate.csv", index=False)
@@ -199,12 +187,12 @@ def write_report(paths: list[str], out: Path, seed: int = 0) -> Path:
                   "Paired by seed (the same initialisation and batches): difference = branch - separate, its mean "
                   "over seeds with a 95% Student-t interval of the paired differences; `sd_separate` is the "
                   "seed-to-seed standard deviation of the separate runs, the noise of one run.", "",
-                  _md(summary), "", "Per seed:", "", _md(pairs.drop(columns=["run_branch", "run_separate"])), ""]
+                  markdown_table(summary), "", "Per seed:", "", markdown_table(pairs.drop(columns=["run_branch", "run_separate"])), ""]
     saved = compute_saved(runs)
     saved.to_csv(out / "compute.csv", index=False)
     lines += ["## Compute: the shared prefixes counted once", "",
               "Per trunk: the steps and FLOPs its family trained (trunk, plus each branch after its branch point) "
-              "against the same branch points trained as separate runs from step 0.", "", _md(saved, 3), ""]
+              "against the same branch points trained as separate runs from step 0.", "", markdown_table(saved, 3), ""]
     fig = plot_families(curves, runs, seed)
     if fig is not None:
         plots.save(fig, out / "families", formats=("png",))

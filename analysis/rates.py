@@ -34,8 +34,9 @@ from matplotlib.ticker import ScalarFormatter
 
 from analysis import plots
 from analysis.ablate import BOOKKEEPING, TUNE_SEED_MIN
-from analysis.trunks import is_trunk
 from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect
+from analysis.tables import markdown_table
+from analysis.trunks import is_trunk
 
 RATE_KEYS = ("optim.lr_scale",)
 LENGTH_KEYS = ("train.max_steps", "train.tokens_per_param", "train.flop_budget")
@@ -202,15 +203,6 @@ def plot_transfer(table: pd.DataFrame, key: str = "optim.lr_scale"):
     return fig
 
 
-def _md(df: pd.DataFrame) -> str:
-    def cell(v):
-        if isinstance(v, (float, np.floating)):
-            return "" if np.isnan(v) else f"{v:,.0f}" if float(v).is_integer() and abs(v) >= 100 else f"{v:.4g}"
-        return str(v)
-    head = "| " + " | ".join(map(str, df.columns)) + " |\n|" + "---|" * len(df.columns)
-    return "\n".join([head, *("| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False))])
-
-
 def write_report(paths: list[str], out: Path, rate_keys: Sequence[str] = RATE_KEYS,
                  tune_seeds: Optional[Sequence[int]] = None) -> Path:
     """report.md, rates.csv (every setting), choices.csv and transfer.png for the runs under `paths`."""
@@ -228,8 +220,8 @@ def write_report(paths: list[str], out: Path, rate_keys: Sequence[str] = RATE_KE
              "## The chosen rate per configuration and size", "",
              "The longest cell of each configuration and size; `edge` names a key whose chosen value is the "
              "lowest or highest tried on its line of the grid (the optimum may lie beyond it).", "",
-             _md(best[show]), "", "## Every setting tried", "",
-             _md(table[["cell", "setting", "n", "loss", "chosen", "edge"]]), ""]
+             markdown_table(best[show]), "", "## Every setting tried", "",
+             markdown_table(table[["cell", "setting", "n", "loss", "chosen", "edge"]]), ""]
     fig = plot_transfer(table, rate_keys[0])
     if fig is not None:
         plots.save(fig, out / "transfer", formats=("png",))

@@ -173,7 +173,7 @@ def section_also(rep: Report, col: Collection, args) -> None:
         table = directed_table(col, args, metric)
         if table.empty:
             continue
-        name = "ablation_" + "".join(c if c.isalnum() else "_" for c in metric) + ".csv"
+        name = f"ablation_{_slug(metric)}.csv"
         rep.add(f"### `{metric}` ({'higher' if higher_is_better(col, metric) else 'lower'} is better)",
                 "The cells, statistics and tests of the ablation table above, on this metric.")
         rep.table(display_table(table))

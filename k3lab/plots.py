@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3lab.model.residual import SATURATED_WEIGHT  # noqa: E402
-from k3lab.rundir import read_metrics, read_summary  # noqa: E402
+from k3lab.rundir import file_name_part, read_metrics, read_summary  # noqa: E402
 from k3lab.switches import K3_DEFAULT  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def plot_depth_diagnostics(diag: dict, out_dir: str | Path, tag: str = "") -> li
 
     mixes = {label: d for label, d in runs.items() if d.get("depth_weights") is not None}
     for label, d in mixes.items():
-        suffix = "" if len(runs) == 1 else f"_{label}"
+        suffix = "" if len(runs) == 1 else f"_{file_name_part(label)}"
         path = out_dir / f"depth_weights{tag}{suffix}.png"
         _plot_weights_and_shares(d, _with_step(label, d), path)
         written.append(path)

@@ -261,12 +261,17 @@ class Summary:
 
 
 # --- where a run lives: naming, resuming, the metrics mirror --------------------------------------
+def file_name_part(text: str) -> str:
+    """`text` as part of a file or directory name: letters, digits and `=,._+-` kept, anything else `_`."""
+    return re.sub(r"[^A-Za-z0-9=,._+-]", "_", text)
+
+
 def default_run_name(overrides: list[str], max_len: int = 120) -> str:
     """'decay=softplus seed=1' -> 'decay=softplus,seed=1'; no overrides -> 'k3'. A name longer than
     max_len keeps its first characters and ends in a hash of the whole name (file systems cap names at 255)."""
     skip = ("resume=", "out_dir=", "group=", "run_name=", "overwrite=", "trainer=", "logger=", "sweep=", "hydra")
     kept = sorted(o for o in overrides if not o.startswith(skip))
-    name = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(kept)) or "k3"
+    name = file_name_part(",".join(kept)) or "k3"
     if len(name) > max_len:
         name = f"{name[:max_len - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
     return name

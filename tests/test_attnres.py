@@ -495,10 +495,11 @@ def test_plot_depth_diagnostics(tmp_path):
     np.testing.assert_array_equal(np.asarray(back["depth_shares"], float),
                                   np.asarray(diags["full_attnres"]["depth_shares"], float))
     assert math.isnan(back["entropy"][0]) and back["step"] == 10
-    plots_main([str(tmp_path / "block_attnres"), str(tmp_path / "full_attnres"), "--labels", "block,full",
+    plots_main([str(tmp_path / "block_attnres"), str(tmp_path / "full_attnres"), "--labels", "block,full q/10",
                 "--out", str(tmp_path / "both")])
-    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == [
-        "depth_diagnostics.json", "depth_mix.png", "depth_rms.png", "depth_weights_block.png", "depth_weights_full.png"]
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == [  # a label's '/' and ' ' not in a file name
+        "depth_diagnostics.json", "depth_mix.png", "depth_rms.png", "depth_weights_block.png",
+        "depth_weights_full_q_10.png"]
     with pytest.raises(SystemExit):
         plots_main([str(tmp_path / "standard_missing"), "--out", str(tmp_path / "none")])
 
