@@ -31,10 +31,16 @@ def main(cfg: DictConfig) -> dict:
     with task_errors(single_run=job.mode == RunMode.RUN):
         check_config(cfg, job.overrides.task)  # before torch and Lightning are imported: fails in a second
         from k3lab.parallel import one_job_argv
+        from k3lab.preempt import StoppedAtDeadline
         from k3lab.train import train_job
 
         with one_job_argv(list(job.overrides.task), multirun=job.mode == RunMode.MULTIRUN):  # DDP/FSDP workers
-            summary = train_job(cfg, overrides=job.overrides.task)
+            try:
+                summary = train_job(cfg, overrides=job.overrides.task)
+            except StoppedAtDeadline as stop:  # K3LAB_STOP_AT: the sweep's table says so, and its next job
+                if job.mode != RunMode.MULTIRUN:  # does not start either
+                    raise
+                return {"outcome": "stopped", "message": str(stop)}
     return {key: summary.get(key) for key in ("outcome", "status", "loss_val_final", "run_name", "branches")}
 
 

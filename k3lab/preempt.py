@@ -14,6 +14,14 @@ resubmits itself with the same overrides), requeues it and exits. `PreemptionChe
                        with none (a plain `python run.py`) the process exits with the message
 
 The requeued job finds the checkpoint in its run directory and resumes (k3lab.rundir.prepare_run_dir).
+
+A deadline does the same without a signal: with K3LAB_STOP_AT set (unix seconds, inherited by every worker
+and rank a run starts), a run saves at its first logging step past that time and stops
+(`StoppedAtDeadline`), and a run that would start after it does not start. A sweep on a machine lent for a
+fixed time (a device call of at most 10 minutes) thus ends with every run completed, checkpointed or not
+begun, and the same command resumes them: `K3LAB_STOP_AT=$(( $(date +%s) + 540 )) python run.py -m ...`.
+A signal sent to a whole sweep instead (`timeout -s USR2`) would also reach the sweep's own process, whose
+default action for it is to die, leaving its workers running on.
 Saving where Lightning's own ModelCheckpoint saves (the end of a training step) and only at a logging step
 keeps the metrics of that step and the mean training loss of every logging interval on the same curve as
 an uninterrupted run. Lightning's SLURM auto-requeue handler (SIGUSR1 by default) is left alone: it never
@@ -21,8 +29,10 @@ replaces a handler that is already installed, and submitit does not send SIGUSR1
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +48,36 @@ class Preempted(SystemExit):
     A SystemExit, so that Hydra does not record it as a failed job and the process ends with its message."""
 
 
+class StoppedAtDeadline(Preempted):
+    """The run stopped at K3LAB_STOP_AT, after saving its checkpoint, or was not started because that time had
+    passed; the same command resumes (or starts) it. In a multirun, run.py records it as the job's outcome
+    and the sweep goes on to its next job, which does not start either."""
+
+
+STOP_AT = "K3LAB_STOP_AT"
+
+
+def stop_at() -> float | None:
+    """The time in K3LAB_STOP_AT (unix seconds), or None where it is unset or empty; a value that is not a
+    number raises one ConfigError."""
+    value = os.environ.get(STOP_AT, "").strip()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{STOP_AT}={value!r} is not a time: give unix seconds, e.g. "
+                          f"{STOP_AT}=$(( $(date +%s) + 540 ))") from None
+
+
+def check_not_past_deadline() -> None:
+    """Raise StoppedAtDeadline when K3LAB_STOP_AT has passed: a run not yet begun does not start."""
+    deadline = stop_at()
+    if deadline is not None and time.time() >= deadline:
+        raise StoppedAtDeadline(f"not started: {STOP_AT} passed {time.time() - deadline:.0f} s ago; the same "
+                                "command starts it")
+
+
 def signal_number(name: str) -> signal.Signals:
     """'USR2' or 'SIGUSR2' -> signal.SIGUSR2; an unknown name raises one ConfigError."""
     full = name if name.upper().startswith("SIG") else f"SIG{name}"
@@ -48,15 +88,18 @@ def signal_number(name: str) -> signal.Signals:
 
 
 class PreemptionCheckpoint(Callback):
-    """On `signame` during training: save `ckpt_path` at the next logging step and raise `Preempted` at the
-    start of the step after it (module docstring). Install with `install()`, undo with `restore()`."""
+    """On `signame` during training, or at the first logging step past `deadline` (unix seconds): save
+    `ckpt_path` at that logging step and raise `Preempted` (`StoppedAtDeadline`) at the start of the step
+    after it (module docstring). Install with `install()`, undo with `restore()`."""
 
-    def __init__(self, ckpt_path: Path, signame: str | None, log_every: int):
+    def __init__(self, ckpt_path: Path, signame: str | None, log_every: int, deadline: float | None = None):
         self.ckpt_path = Path(ckpt_path)
         self.signum = signal_number(signame) if signame else None
         self.log_every = log_every
+        self.deadline = deadline
         self.received = False
         self.saved_at: int | None = None
+        self.at_deadline = False
         self.previous: Any = None
         self.installed = False
 
@@ -79,16 +122,21 @@ class PreemptionCheckpoint(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self.signum is None or self.saved_at is not None or step % self.log_every or step >= trainer.max_steps:
+        off = self.signum is None and self.deadline is None
+        if off or self.saved_at is not None or step % self.log_every or step >= trainer.max_steps:
             return  # off, already saved, not a logging step, or the last step (the run finishes instead)
-        if trainer.strategy.reduce_boolean_decision(self.received, all=False):
+        late = self.deadline is not None and time.time() >= self.deadline
+        if trainer.strategy.reduce_boolean_decision(self.received or late, all=False):  # every rank stops together
             trainer.save_checkpoint(self.ckpt_path)
-            self.saved_at = step
-            rank_zero_only(print)(f"{signal.Signals(self.signum).name} received: checkpoint saved at step {step}, "
-                                  f"stopping")
+            self.saved_at, self.at_deadline = step, not self.received
+            why = f"{STOP_AT} reached" if self.at_deadline else f"{signal.Signals(self.signum).name} received"
+            rank_zero_only(print)(f"{why}: checkpoint saved at step {step}, stopping")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.saved_at is not None and self.at_deadline:
+            raise StoppedAtDeadline(f"stopped at {STOP_AT} at step {self.saved_at}; checkpoints/last.ckpt holds it "
+                                    "and the same command resumes the run")
         if self.saved_at is not None:
             name = signal.Signals(self.signum).name
             raise Preempted(f"preempted ({name}) at step {self.saved_at}; checkpoints/last.ckpt holds it and the "

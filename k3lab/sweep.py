@@ -50,6 +50,7 @@ DEVICE_SHARED_ENV = "K3LAB_DEVICE_SHARED"
 
 OUTCOME = {"new": "completed", "restart": "completed (restarted)", "resume": "completed (resumed)",
            "skip": "skipped (completed before)"}
+STOPPED = "stopped (K3LAB_STOP_AT)"  # saved and stopped at the deadline, or not begun (k3lab.preempt)
 
 
 class SweepReport(Callback):
@@ -68,7 +69,9 @@ class SweepReport(Callback):
         if self.rows_dir is None:  # a single run, not a multirun
             return
         overrides = list(job_return.overrides or ())
-        if job_return.status == JobStatus.COMPLETED:
+        if job_return.status == JobStatus.COMPLETED and (job_return.return_value or {}).get("outcome") == "stopped":
+            row = [overrides, STOPPED, job_return.return_value.get("message", "")]
+        elif job_return.status == JobStatus.COMPLETED:
             summary = job_return.return_value or {}
             runs = [(summary.get("outcome"), summary.get("loss_val_final"), "")]
             for name, outcome, loss in summary.get("branches") or []:  # a WSD trunk's job: its branches too
@@ -110,11 +113,13 @@ class SweepReport(Callback):
                           style="red" if outcome == "FAILED" else None)
         failed = sum(r[1] == "FAILED" for r in rows)
         skipped = sum(r[1].startswith("skipped") for r in rows)
+        stopped = sum(r[1] == STOPPED for r in rows)
         out = console(140)
         out.print(table)
-        out.print(f"{len(rows) - failed - skipped} completed, {skipped} skipped, {failed} failed"
-                      + ("; run the same command again to retry the failed runs (completed ones are skipped)"
-                         if failed else ""))
+        out.print(f"{len(rows) - failed - skipped - stopped} completed, {skipped} skipped, {failed} failed"
+                  + (f", {stopped} stopped at K3LAB_STOP_AT" if stopped else "")
+                  + ("; run the same command again to retry the failed runs and resume the stopped ones (completed "
+                     "ones are skipped)" if failed or stopped else ""))
 
 
 class SweepSetupError(SystemExit):

@@ -56,7 +56,8 @@ from k3lab.model.residual import attnres_saturation
 from k3lab.optim import decay_steps
 from k3lab.parallel import JobProcesses, build_strategy, n_processes, one_job_argv
 from k3lab.plots import plot_depth_diagnostics, write_run_plots
-from k3lab.preempt import Preempted, PreemptionCheckpoint, signal_number
+from k3lab.preempt import (Preempted, PreemptionCheckpoint, StoppedAtDeadline, check_not_past_deadline,
+                           signal_number, stop_at)
 from k3lab.probes import RecallProbes
 from k3lab.progress import print_final, print_run_header, progress_callback
 from k3lab.rundir import (AtomicCheckpointIO, JsonlLogger, Summary, UnreadableCheckpoint, checkpoint_step, cpu_load,
@@ -74,6 +75,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     run = check_config(cfg, overrides)
     if run.train.preempt_signal:
         signal_number(run.train.preempt_signal)
+    check_not_past_deadline()  # K3LAB_STOP_AT: a run that would begin after it does not (k3lab.preempt)
     trunk_dir = Path(run.out_dir) / run.group / str(run.train.trunk)
     if run.train.trunk and not run.resume and not trunk_dir.is_dir():
         raise TrunkNotReady(f"train.trunk={run.train.trunk}: no run directory {trunk_dir}: a cooldown branch "
@@ -103,7 +105,7 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
     loggers: list = []
     job = JobProcesses()  # the worker processes and process group of this run end with it
     preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt", run.train.preempt_signal,
-                                      run.train.log_every)
+                                      run.train.log_every, stop_at())
     preemption.install()
     try:
         if ckpt_path:
@@ -175,7 +177,8 @@ def train(cfg: DictConfig, overrides: list[str] = (), callbacks: Sequence[Callba
         if isinstance(err, Preempted):
             rank_zero_only(print)(f"{run_dir}: {err}")
             preemption.restore()
-            preemption.hand_over()  # under submitit: requeue the job and exit
+            if not isinstance(err, StoppedAtDeadline):
+                preemption.hand_over()  # under submitit: requeue the job and exit
         raise
     finally:
         preemption.restore()

@@ -1,6 +1,7 @@
 """Sweeps on other launchers (conf/hydra/launcher/, k3lab/preempt.py, k3lab/sweep.py), all on the CPU:
 
 - the preemption signal saves a run at its next logging step; the same command continues the same curve;
+- past K3LAB_STOP_AT a run saves and stops the same way, and a sweep starts nothing more and says so;
 - hydra/launcher=slurm_local (submitit's local executor, the SLURM job path without SLURM): a job that gets
   the signal a preemption sends is requeued by submitit and ends with the uninterrupted run's losses;
 - hydra/launcher=slurm becomes the sbatch script it promises (time, GPUs, tasks, warning signal, requeue);
@@ -20,7 +21,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from k3lab.preempt import Preempted
+import k3lab.preempt
+from k3lab.preempt import Preempted, StoppedAtDeadline
 from k3lab.train import train
 
 from test_train import ROOT, byte_args, rows, run_cli
@@ -86,6 +88,68 @@ def test_preemption_signal_saves_at_the_next_logging_step_and_the_same_command_r
     assert (resumed["status"], resumed["outcome"], resumed["steps"]) == ("completed", "resume", 12)
     assert sorted(losses(cut, "loss/train")) == [3, 6, 9, 12]
     same_curve(cut, tmp_path / "default" / "whole")
+
+
+class Clock:
+    """k3lab.preempt's clock (its `time` module): 0 until `ClockJump` moves it past every deadline."""
+    now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+class ClockJump(L.Callback):
+    """Moves `clock` to 1e12 at the end of one step (after k3lab's callback has read it at that step)."""
+
+    def __init__(self, clock: Clock, step: int):
+        self.clock, self.step = clock, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.clock.now = 1e12
+
+
+def test_a_run_past_its_deadline_saves_at_the_next_logging_step_and_the_same_command_resumes(corpus, tmp_path,
+                                                                                          monkeypatch):
+    """K3LAB_STOP_AT passes after step 4 with log_every=3: the run saves at step 6, stops with
+    StoppedAtDeadline before step 7 (no handler handed the signal: nothing was sent), and the same command,
+    with no deadline, resumes from step 6 and ends on the uninterrupted run's curve."""
+    common = byte_args(corpus, tmp_path, "train.max_steps=12", "train.log_every=3", "train.val_every=6",
+                       "train.ckpt_every=100")
+    run_inprocess([*common, "run_name=whole"])
+    clock = Clock()
+    monkeypatch.setattr(k3lab.preempt, "time", clock)
+    monkeypatch.setenv("K3LAB_STOP_AT", "100")
+    with pytest.raises(StoppedAtDeadline, match="at step 6"):
+        run_inprocess([*common, "run_name=cut"], callbacks=[ClockJump(clock, 4)])
+    cut = tmp_path / "default" / "cut"
+    assert torch.load(cut / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert json.loads((cut / "summary.json").read_text())["error"].startswith("StoppedAtDeadline: stopped at "
+                                                                              "K3LAB_STOP_AT at step 6")
+    with pytest.raises(StoppedAtDeadline, match="not started"):  # past the deadline: not even resumed
+        run_inprocess([*common, "run_name=cut"])
+    monkeypatch.delenv("K3LAB_STOP_AT")
+    resumed = run_inprocess([*common, "run_name=cut"])
+    assert (resumed["status"], resumed["outcome"], resumed["steps"]) == ("completed", "resume", 12)
+    same_curve(cut, tmp_path / "default" / "whole")
+
+
+def test_a_sweep_past_its_deadline_starts_nothing_and_its_table_says_so(corpus, tmp_path):
+    """A multirun under a deadline already passed ends normally with every job `stopped` in its table and no
+    run directory written; a single run stops with the message; a deadline that is no time is one line."""
+    common = byte_args(corpus, tmp_path, "train.max_steps=4", "group=late")
+    env = {**os.environ, "K3LAB_STOP_AT": str(int(time.time()) - 5)}
+    sweep = run_cli(["-m", *common, "seed=0,1"], env=env)
+    log = sweep.communicate(timeout=300)[0]
+    assert sweep.returncode == 0, log
+    assert log.count("stopped (K3LAB_STOP_AT)") == 2 and "0 completed, 0 skipped, 0 failed, 2 stopped" in log, log
+    single = run_cli([*common, "run_name=one"], env=env)
+    log = single.communicate(timeout=300)[0]
+    assert single.returncode != 0 and "not started: K3LAB_STOP_AT passed" in log, log
+    assert not (tmp_path / "late").exists() or not any((tmp_path / "late").glob("*/summary.json"))
+    bad = run_cli([*common, "run_name=one"], env={**os.environ, "K3LAB_STOP_AT": "soon"})
+    log = bad.communicate(timeout=300)[0]
+    assert bad.returncode == 2 and "error: K3LAB_STOP_AT='soon' is not a time" in log, log
 
 
 def test_slurm_local_job_preempted_by_its_signal_is_requeued_and_ends_on_the_same_curve(corpus, tmp_path):
