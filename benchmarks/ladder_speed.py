@@ -41,7 +41,8 @@ study's plain setting), give the slice's cost before and after. Nothing is extra
 packing not measured is not chosen.
 
 benchmarks/ladder_speed.csv holds the rows measured so far, with their method, command, commit and device
-(docs/speed.md says where each came from); `--from` reads it, or any --csv written here.
+(the GPU's name and, for rows measured by this command, its board: benchmarks.step.gpu_board; docs/speed.md
+says where each came from); `--from` reads it, or any --csv written here.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ import lightning as L
 import pandas as pd
 import torch
 
-from benchmarks.step import compiled_graphs, compose_config, device_of, quiet_lightning, trainer_row
+from benchmarks.step import compiled_graphs, compose_config, device_of, gpu_board, quiet_lightning, trainer_row
 from benchmarks.table import markdown
 from k3lab.errors import report as report_error
 from k3lab.lit import PEAK_FLOPS
@@ -170,7 +171,7 @@ def measure(args, base: list[str]) -> pd.DataFrame:
     stopped at its time limit keeps the rows it finished)."""
     cfg = compose_config(base)
     cpu = device_of(cfg).type == "cpu"
-    device = "CPU" if cpu else torch.cuda.get_device_name()
+    device = "CPU" if cpu else torch.cuda.get_device_name() + gpu_board()  # boards of one model differ by ~3%
     commit = git_revision() or "unknown"
     date = datetime.date.today().isoformat()
     command = shlex.join(["python", "-m", "benchmarks.ladder_speed", *args.argv])
