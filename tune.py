@@ -3,6 +3,7 @@
     python tune.py ladders/cpu_tune.yaml                         # stage 1, widening, stage 2, the report
     python tune.py ladders/pycode_study2.yaml data.path=/tmp/pycode8k --dry-run   # the runs and their minutes
     python tune.py ladders/pycode_study2.yaml data.path=/tmp/pycode8k hydra/launcher=joblib --parallel 3
+    K3LAB_STOP_AT=$(( $(date +%s) + 540 )) python tune.py ladders/pycode_study2.yaml --sizes d4 ...  # a slice
 
 A ladder plan (a YAML file, ladders/*.yaml) has
 
@@ -31,6 +32,11 @@ hand, and the command run again skips every run that completed and resumes a kil
 chooses again from the same directories: the same choices. Overrides after the plan (data.path=...,
 out_dir=..., hydra/launcher=joblib) go to every run.py command.
 
+A slice of a plan: `--sizes` and `--variants` keep those of the plan's cells (each stage, choice and report is
+per cell, so a slice decides what the whole plan would for its cells). Under a deadline (K3LAB_STOP_AT,
+k3lab/preempt.py: every run saves and stops at it, and no run begins after it) the command stops after the
+first stage that met it, before choosing from runs it did not finish, and says so; run again, it goes on.
+
 This driver stands above training and analysis: it composes configs with k3lab (for --dry-run and to tell
 which runs belong to which configuration and size) and reads run directories with analysis; the library
 k3lab never imports analysis.
@@ -42,6 +48,7 @@ import functools
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,11 +57,12 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from analysis.trunks import is_trunk
 from analysis.collect import collect
 from analysis.rates import tune_cell, value_text, write_report
+from analysis.trunks import is_trunk
 import k3lab.config  # noqa: F401  registers the schema conf/config.yaml composes onto (k3lab_schema)
 from k3lab.errors import ConfigError, run_command
+from k3lab.preempt import stop_at
 
 ROOT = Path(__file__).resolve().parent
 PLAN_KEYS = {"group", "command", "tune_command", "sizes", "variants", "grid", "tune_seeds", "seeds", "max_widen",
@@ -96,6 +104,30 @@ def load_plan(path: Path) -> dict:
 def cells(plan: dict) -> list[Cell]:
     return [Cell(name, size, (*v["overrides"], *plan["sizes"][size]), v["grid"])
             for name, v in plan["variants"].items() for size in v["sizes"]]
+
+
+def select(plan: dict, sizes: str | None = None, variants: str | None = None) -> dict:
+    """The plan cut to the named sizes and variants (comma-separated; None: all), its cells those of both;
+    one line naming a name the plan lacks, or a cut with no cell left."""
+    keep = {}
+    for option, names, valid in (("--sizes", sizes, plan["sizes"]), ("--variants", variants, plan["variants"])):
+        wanted = [n.strip() for n in names.split(",") if n.strip()] if names else list(valid)
+        unknown = [n for n in wanted if n not in valid]
+        if unknown:
+            raise ConfigError(f"{option}={names}: {', '.join(unknown)} not in the plan; it has {', '.join(valid)}")
+        keep[option] = wanted
+    cut = {name: {**v, "sizes": [s for s in v["sizes"] if s in keep["--sizes"]]}
+           for name, v in plan["variants"].items() if name in keep["--variants"]}
+    cut = {name: v for name, v in cut.items() if v["sizes"]}
+    if not cut:
+        raise ConfigError(f"--sizes={sizes} --variants={variants}: no configuration of the plan has these sizes")
+    return {**plan, "variants": cut}
+
+
+def past_deadline() -> bool:
+    """Whether K3LAB_STOP_AT (k3lab/preempt.py) has passed: the runs launched since may have stopped unfinished."""
+    deadline = stop_at()
+    return deadline is not None and time.time() >= deadline
 
 
 def sweep_value(values) -> str:
@@ -176,10 +208,19 @@ def choose(runs: pd.DataFrame, grid: dict, tune_seeds) -> tuple[pd.DataFrame, pd
 
 
 # --- the stages ---------------------------------------------------------------------------------------------
-def tune(plan: dict, extra: list[str], parallel: int) -> Path:
+STOPPED = ("tune.py: stopped at K3LAB_STOP_AT after {stage}, before choosing from runs it may not have finished; "
+           "the same command goes on from here")
+
+
+def tune(plan: dict, extra: list[str], parallel: int) -> Path | None:
+    """Stage 1, the widening rounds, stage 2 and the report (module docstring): the report's path, or None
+    when K3LAB_STOP_AT stopped it (after saying so)."""
     out = ROOT / next((o.split("=", 1)[1] for o in extra if o.startswith("out_dir=")), "runs") / plan["group"]
     ladder = cells(plan)
     run_all([command(plan, extra, c, c.grid, plan["tune_seeds"], tuning=True) for c in ladder], parallel)
+    if past_deadline():
+        print(STOPPED.format(stage="stage 1"), flush=True)
+        return None
     configs = [compose_cell(plan, extra, c) for c in ladder]
     keys = cell_keys(plan)
     for round_ in range(plan["max_widen"] + 1):
@@ -197,11 +238,17 @@ def tune(plan: dict, extra: list[str], parallel: int) -> Path:
             break
         print(f"widening {len(wider)} grid edge(s), round {round_ + 1} of at most {plan['max_widen']}", flush=True)
         run_all(wider, parallel)
+        if past_deadline():
+            print(STOPPED.format(stage=f"widening round {round_ + 1}"), flush=True)
+            return None
     for c, best in zip(ladder, chosen):
         edge = f" (at an edge: {best['edge']})" if best["edge"] else ""
         print(f"{c.variant} at {c.size}: " + ", ".join(f"{k}={value_text(best[k])}" for k in c.grid) + edge)
     run_all([command(plan, extra, c, {k: best[k] for k in c.grid}, plan["seeds"], tuning=False)
              for c, best in zip(ladder, chosen)], parallel)
+    if past_deadline():
+        print(STOPPED.format(stage="stage 2"), flush=True)
+        return None
     return write_report([str(out)], out / "rates", rate_keys=sorted({k for c in ladder for k in c.grid}),
                         tune_seeds=plan["tune_seeds"])
 
@@ -296,8 +343,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("overrides", nargs="*", help="run.py overrides for every run, e.g. data.path=/tmp/pycode8k")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their device minutes; train nothing")
     p.add_argument("--parallel", type=int, default=1, help="run.py multiruns at once (each may itself be parallel)")
+    p.add_argument("--sizes", help="only these sizes of the plan, comma-separated (a slice)")
+    p.add_argument("--variants", help="only these configurations of the plan, comma-separated (a slice)")
     args = p.parse_args(argv)
-    plan = load_plan(args.plan)
+    plan = select(load_plan(args.plan), args.sizes, args.variants)
     if args.dry_run:
         table = dry_run(plan, args.overrides)
         with pd.option_context("display.width", 160, "display.max_columns", 20):
@@ -316,7 +365,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{int(table['jobs'].sum())} jobs, {tokens:,.0f} tokens, {minutes}; each widened edge adds one "
               "tuning job")
         return
-    print(tune(plan, args.overrides, args.parallel))
+    report = tune(plan, args.overrides, args.parallel)
+    if report is not None:
+        print(report)
 
 
 if __name__ == "__main__":

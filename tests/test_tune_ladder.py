@@ -122,3 +122,28 @@ def test_a_bad_plan_is_one_line(tmp_path, plan_text, message):
     path.write_text(yaml.safe_dump(plan_text))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         tune.load_plan(path)
+
+
+def test_a_slice_keeps_the_named_sizes_and_configurations(plan):
+    whole = tune.load_plan(plan)
+    assert [(c.variant, c.size) for c in tune.cells(tune.select(whole, "d3"))] == [("default", "d3")]
+    assert tune.cells(tune.select(whole)) == tune.cells(whole)
+    with pytest.raises(ValueError, match=r"--sizes=d4: d4 not in the plan; it has d2, d3"):
+        tune.select(whole, "d4")
+    with pytest.raises(ValueError, match=r"--variants=k3: k3 not in the plan; it has default"):
+        tune.select(whole, variants="k3")
+
+
+def test_past_its_deadline_it_stops_before_choosing_and_the_same_command_goes_on(plan, tmp_path, monkeypatch):
+    """K3LAB_STOP_AT passed during stage 1: tune stops before any choice (none from unfinished runs), writes
+    no report; the same command without the deadline issues stage 1 again (run.py skips what completed) and
+    goes on to the end."""
+    issued = []
+    monkeypatch.setattr(tune, "run_all", fake_run_all(tmp_path / "runs", issued))
+    monkeypatch.setenv("K3LAB_STOP_AT", "1")  # long past
+    assert tune.tune(tune.load_plan(plan), [f"out_dir={tmp_path / 'runs'}"], parallel=1) is None
+    assert len(issued) == 2 and all("seed=1000" in a for a in issued)  # stage 1 only
+    assert not (tmp_path / "runs" / "ladder" / "rates").exists()
+    monkeypatch.delenv("K3LAB_STOP_AT")
+    report = tune.tune(tune.load_plan(plan), [f"out_dir={tmp_path / 'runs'}"], parallel=1)
+    assert report is not None and report.exists() and len(issued) == 2 + 2 + 1 + 2
