@@ -15,6 +15,7 @@ import numpy as np
 
 from analysis.approach3 import bootstrap_chinchilla, fit_chinchilla, flops_per_param_token, why_not
 from analysis.checks import one_line, parse_budgets
+from analysis.trunks import resampling_units
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -48,8 +49,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"  {k:>20s} = {v:.6g}")
     if args.n_boot:
         boot = bootstrap_chinchilla(table["N"], table["D"], table["loss"], n_boot=args.n_boot, seed=args.seed,
-                                    init=fit.theta, progress=True, kappa=kappa)
-        print(f"bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged")
+                                    init=fit.theta, progress=True, kappa=kappa, units=resampling_units(table))
+        print(f"bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged"
+              + (f" (the {boot.units} resampling units draw a WSD trunk's branches together)"
+                 if boot.units < len(table) else ""))
         print(boot.ci().to_string(float_format=lambda v: f"{v:.4g}"))
         print(boot.optimal_ci(budgets).to_string(float_format=lambda v: f"{v:.4g}"))
     n_opt, d_opt = fit.optimal(np.array(budgets))
