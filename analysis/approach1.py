@@ -15,8 +15,9 @@ The envelope. Approach 1 takes, at each compute, the lowest loss any size reache
 sizes the envelope is piecewise: size N_i is best from where its line crosses the line of the size before
 it to where the next size's line crosses it. At a crossover C_x the optimum moves from N_i to N_j, so the
 compute-optimal size there is taken as their geometric mean, and N_opt ∝ C^a is the least-squares line of
-log sqrt(N_i N_j) on log C_x (two crossovers or more; three sizes give two). The envelope is searched over the compute the ladder trained; a crossover outside
-the compute both of its sizes trained is an extrapolation of one of their lines, and the table says so.
+log sqrt(N_i N_j) on log C_x (two crossovers or more; three sizes give two). The envelope is searched over
+the compute the ladder trained; a crossover outside the compute both of its sizes trained is an
+extrapolation of one of their lines, and the table says so.
 
 Intervals from the seed noise: a parametric bootstrap of the point means (analysis.noise.replicate_means)
 in which the branches of one trunk move together, with the correlation measured from the seeds; each
@@ -126,7 +127,8 @@ def fit_approach1(df: pd.DataFrame, variant: str = "baseline", noise: SeedNoise 
     span = np.log(points["C"].to_numpy(float))
     log_c = np.linspace(span.min(), span.max(), 4001)  # the envelope over the compute the ladder trained
     cross = crossovers(fits, log_c)
-    start = fits["log_a"].map(lambda v: v[0]) - fits["b"].map(lambda v: v[0]) * (log_c[0] - fits["log_k"])
+    at_start = fits["log_a"].map(lambda v: v[0]) - fits["b"].map(lambda v: v[0]) * (log_c[0] - fits["log_k"])
+    lowest = float(fits["N"].iloc[int(np.argmin(at_start))])  # the envelope's size at the least compute
     reps = (replicate_means(points, noise, rho, n_boot, np.random.default_rng(seed))
             if noise.known and n_boot else np.empty((0, len(points))))
     boot = fit_sizes(points, reps) if len(reps) else None
@@ -162,6 +164,5 @@ def fit_approach1(df: pd.DataFrame, variant: str = "baseline", noise: SeedNoise 
     return Approach1(variant=variant, sizes=pd.DataFrame(size_rows),
                      crossovers=pd.DataFrame(cross_rows, columns=["from_N", "to_N", "C", "C_lo", "C_hi", "share",
                                                                   "loss", "in data range"]),
-                     a=optimal_exponent(cross), a_lo=a_lo, a_hi=a_hi, lowest=float(fits["N"].iloc[int(np.argmin(start))]),
-                     fits=fits, noise=noise,
+                     a=optimal_exponent(cross), a_lo=a_lo, a_hi=a_hi, lowest=lowest, fits=fits, noise=noise,
                      correlation=correlation, n_boot=len(reps))

@@ -330,8 +330,8 @@ def _approach3(rep: Report, name: str, df: pd.DataFrame, args, budgets: np.ndarr
             f"{fit.n_near_best} end within 0.01% of the best objective {fit.objective:.6g} "
             f"(converged: {fit.converged}). "
             + (f"Bootstrap: {boot.n_converged}/{boot.n_requested} replicates converged (seed {args.seed}; "
-               "refit from the best point; non-converged dropped; " + ("the branches of a trunk drawn together)."
-                                                                      if boot.units < len(df) else "runs drawn one by one).")
+               "refit from the best point; non-converged dropped; "
+               + ("the branches of a trunk drawn together)." if boot.units < len(df) else "runs drawn one by one).")
                if boot else ""))
     points = points_table(df, seed_col="seed")
     noise = SeedNoise.given(args.seed_noise) if args.seed_noise else pooled_noise(points)
