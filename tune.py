@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parallel", type=int, default=1, help="run.py multiruns at once (each may itself be parallel)")
     p.add_argument("--sizes", help="only these sizes of the plan, comma-separated (a slice)")
     p.add_argument("--variants", help="only these configurations of the plan, comma-separated (a slice)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # options before, between or after the run.py overrides
     plan = select(load_plan(args.plan), args.sizes, args.variants)
     if args.dry_run:
         table = dry_run(plan, args.overrides)

@@ -113,12 +113,16 @@ def test_the_presets_neighbouring_sizes_train_overlapping_compute():
 
 
 def test_the_dry_run_command_runs_in_a_fresh_process():
-    """`python tune.py PLAN --dry-run` as a user types it: nothing imported beforehand (the schema that
-    conf/config.yaml composes onto is registered by tune.py itself)."""
+    """`python tune.py PLAN --sizes d4 ... --dry-run` as PLAN.md types a slice (options before and after the
+    run.py overrides): nothing imported beforehand (the schema that conf/config.yaml composes onto is
+    registered by tune.py itself), and only the slice's cells priced."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(ROOT / "tune.py"), str(STUDY), *DATA, "--dry-run"],
+    proc = subprocess.run([sys.executable, str(ROOT / "tune.py"), str(STUDY), "--sizes", "d4", *DATA, "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "device minutes alone on the device" in proc.stdout.splitlines()[-1]
+    lines = proc.stdout.splitlines()
+    assert "device minutes alone on the device" in lines[-1] and lines[-1].startswith("33 jobs"), lines[-1]
+    rows = [line.split() for line in lines[1:] if line.split()[:1] in (["k3"], ["standard"], ["adamw"])]
+    assert len(rows) == 6 and {r[1] for r in rows} == {"d4"}, lines
