@@ -43,6 +43,7 @@ from analysis.collect import DEFAULT_N, N_DEFINITIONS, collect, print_dirs
 from analysis.stats import ALPHA, compare, describe, holm, one_per_seed
 from analysis.switches import SWITCHES
 from analysis.tables import column_format, fmt, format_columns, interval_texts, markdown_table, ratio_text
+from analysis.trunks import is_trunk
 from analysis.tuning import TUNE_SEED_MIN, TUNED, next_commands, pick_tuned, tuning_table
 
 TABLE_COLUMNS = ["switch", "option", "baseline", "cell", "rate", "setting", "grid_edge", "n", "seeds", "mean",
@@ -72,6 +73,11 @@ def ablation_table(runs: pd.DataFrame, metric: str = "loss_val_final", baseline:
         runs = runs.assign(length=length_label(runs))
     match = [c for c in (DEFAULT_MATCH if match is None else match) if c in runs.columns]
     runs = runs[runs[metric].notna()]
+    trunks = is_trunk(runs)
+    if trunks.any():  # a WSD trunk ends at the peak rate: no end point to compare (analysis.trunks)
+        notes.append(f"{int(trunks.sum())} WSD trunk(s) left out: a trunk ends at the peak rate; its cooldown "
+                     "branches are compared")
+        runs = runs[~trunks]
     is_tune: Callable[[pd.Series], pd.Series] = (
         (lambda s: s >= TUNE_SEED_MIN) if tune_seeds is None else (lambda s: s.isin(list(tune_seeds))))
     n_col = N_DEFINITIONS[n_def]

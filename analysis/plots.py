@@ -90,6 +90,8 @@ def plot_curves(curves: pd.DataFrame, runs: pd.DataFrame, by: str, metric: str =
         for rid, g in c.groupby("run_id"):
             g = g.sort_values(x)
             g = g[g[x] > 0] if x != "step" else g  # a log axis has no place for step 0 (0 tokens, 0 FLOPs)
+            if g.empty:  # a run that logged no value of this x
+                continue
             few = len(g) <= 12  # a short run: markers, so that one or two points still show
             ax.plot(g[x], g["value"], color=colors[g[by].iloc[0]], lw=1.1, alpha=0.75,
                     marker="o" if few else None, ms=3)

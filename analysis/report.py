@@ -451,12 +451,19 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)
 
 
-def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows") -> None:
+def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows",
+                    every_variant: Optional[pd.DataFrame] = None) -> None:
+    """The fits of one variant's rows `df` (approaches 1, 3 and 2); with `every_variant` (the rows of all
+    variants), the trunks of all of them and approach 1 of each other variant too."""
     df = df.dropna(subset=["N", "D", "C", "loss"])
     rep.add("## Scaling laws", definitions(args))
-    section_trunks(rep, df)
+    section_trunks(rep, df if every_variant is None else every_variant)
     if has_token_counts(df):
         section_approach1(rep, df, args, label)
+    if every_variant is not None:
+        for variant, rows in every_variant[every_variant["variant"] != label].groupby("variant", sort=True):
+            if has_token_counts(rows):
+                section_approach1(rep, rows, args, str(variant))
     reason = why_not(df["N"], df["D"])
     if reason:
         rep.add(f"Approaches 3 and 2: skipped: {reason}. L(C) and the compute multipliers (below, where there are "
@@ -554,8 +561,11 @@ def section_multipliers(rep: Report, df: pd.DataFrame, args) -> Optional[Multipl
             + "A point with one seed is given this spread too (the same for every variant and size). Every interval "
             f"below is a 95% percentile interval of a parametric bootstrap ({args.n_boot_multipliers} replicates) in "
             "which each point keeps its place and its mean moves by the seed noise over the square root of its seeds "
-            "(the noise's own uncertainty drawn too): never from dropping points.")
+            "(the noise's own uncertainty drawn too; the branches of one trunk together, correlated by "
+            + (f"rho {mult.correlation.used:.3f}, {mult.correlation.source}" if np.isfinite(mult.correlation.rho)
+               else f"nothing: {mult.correlation.source}") + "): never from dropping points.")
     shown = pts.assign(_other=pts["variant"] != base).sort_values(["_other", "variant", "C"]).drop(columns="_other")
+    shown = shown.drop(columns="trunks")  # the trunks each point's branches came from: the families table has them
     quiet = [c for c, v in (("repeats", shown["repeats"].any()), ("used", not shown["used"].all())) if not v]
     rep.table(shown.drop(columns=quiet))  # repeated seeds and unused points, only where there are any
     rep.add("**Per size.** At each point of a variant, how much more compute the baseline needs to reach the "
@@ -733,9 +743,9 @@ def main(argv: Optional[list[str]] = None) -> Path:
             base = df[df["variant"] == args.baseline_variant]
             if (len(base) >= MIN_POINTS and len(np.unique(size_groups(base["N"]))) >= MIN_SIZES
                     or has_token_counts(base)):
-                rep.add("Approaches 1, 3 and 2 use the baseline variant's runs; L(C) and the multipliers use every "
-                        "variant.")
-                section_scaling(rep, base, args, label=args.baseline_variant)
+                rep.add("Approaches 3 and 2 use the baseline variant's runs; approach 1 is fitted to each variant, "
+                        "L(C) and the multipliers use every variant.")
+                section_scaling(rep, base, args, label=args.baseline_variant, every_variant=df)
             mult = section_multipliers(rep, df, args)
         if not table.empty:
             speed = None

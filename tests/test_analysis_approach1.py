@@ -144,7 +144,8 @@ def write_run(folder: Path, name: str, steps: int, loss: float, seed: int, **fie
     run = folder / name
     run.mkdir(parents=True)
     summary = {"status": "completed", "run_name": name, "seed": seed, "model": "ladder", "data": "sotu",
-               "params_active_non_embedding": 1000 * fields.pop("scale", 1), "length_from": "max_steps",
+               "n_layers": fields.get("scale", 1), "params_active_non_embedding": 1000 * fields.pop("scale", 1),
+               "length_from": "max_steps",
                "max_steps": steps, "steps": steps, "tokens": steps * 10, "flops": steps * 10 * 6e3,
                "loss_val_final": loss, **fields}
     (run / "summary.json").write_text(json.dumps(summary))
@@ -155,20 +156,29 @@ def test_trunks_are_no_points_and_the_report_names_the_families(tmp_path):
     from analysis.report import main as report
 
     sweep = tmp_path / "wsd"
-    for scale in (1, 3):
-        for seed in (0, 1):
-            trunk = f"n={scale},seed={seed}"
-            write_run(sweep, trunk, 400, 3.0, seed, scale=scale, branches=[100, 200, 400], branch_steps=[80, 160, 320])
-            for steps in (100, 200, 400):
-                write_run(sweep, f"{trunk},branch={steps}", steps, 5.0 * (steps * scale) ** -0.1 + 0.003 * seed,
-                          seed, scale=scale, trunk=trunk, branch_step=int(0.8 * steps))
+    for residual, shift in (("block_attnres", 0.0), ("standard", 0.02)):
+        for scale in (1, 3):
+            for seed in (0, 1):
+                trunk = f"{residual},n={scale},seed={seed}"
+                fields = {"scale": scale, "switches": {"residual": residual}}
+                write_run(sweep, trunk, 400, 3.0, seed, branches=[100, 200, 400], branch_steps=[80, 160, 320],
+                          **fields)
+                for steps in (100, 200, 400):
+                    write_run(sweep, f"{trunk},branch={steps}", steps,
+                              5.0 * (steps * scale) ** -0.1 + 0.003 * seed + shift, seed, trunk=trunk,
+                              branch_step=int(0.8 * steps), **fields)
     df = runs_to_scaling(collect([sweep]).runs)
-    assert len(df) == 12 and df.attrs["trunks_left_out"] == 4 and df["trunk_id"].notna().all()
-    fam = families(df)
-    assert list(fam["trunk"]) == ["n=1,seed=0", "n=1,seed=1", "n=3,seed=0", "n=3,seed=1"]  # run ids
+    assert len(df) == 24 and df.attrs["trunks_left_out"] == 8 and df["trunk_id"].notna().all()
+    fam = families(df.assign(variant=df["residual"]))
+    assert list(fam["trunk"][:4]) == ["block_attnres,n=1,seed=0", "block_attnres,n=1,seed=1",
+                                      "block_attnres,n=3,seed=0", "block_attnres,n=3,seed=1"]  # run ids
     assert (fam["points"] == 3).all() and fam["D"].iloc[0] == "1,000, 2,000, 4,000"
     path = report([str(sweep), "--out", str(tmp_path / "report"), "--n-boot", "0"])
     text = path.read_text()
-    assert "hold 4 WSD trunk(s), none of them a point" in text and "n=3,seed=1 " in text
-    assert "### Approach 1 — L(D) per size, baseline" in text
+    assert "hold 8 WSD trunk(s), none of them a point" in text and "standard,n=3,seed=1 " in text
+    assert "8 WSD trunk(s) left out: a trunk ends at the peak rate" in text  # nor cells of the ablation table
+    assert "run 2 times" not in text  # no trunk pooled with its branch of the same length
+    for variant in ("baseline", "residual=standard"):  # approach 1 of each variant, its figure named safely
+        assert f"### Approach 1 — L(D) per size, {variant}" in text
     assert (tmp_path / "report" / "approach1_baseline.png").exists()
+    assert (tmp_path / "report" / "approach1_residual_standard.png").exists()
