@@ -48,7 +48,6 @@ import functools
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,7 +61,7 @@ from analysis.rates import tune_cell, value_text, write_report
 from analysis.trunks import is_trunk
 import k3lab.config  # noqa: F401  registers the schema conf/config.yaml composes onto (k3lab_schema)
 from k3lab.errors import ConfigError, run_command
-from k3lab.preempt import stop_at
+from k3lab.preempt import past_deadline
 
 ROOT = Path(__file__).resolve().parent
 PLAN_KEYS = {"group", "command", "tune_command", "sizes", "variants", "grid", "tune_seeds", "seeds", "max_widen",
@@ -122,12 +121,6 @@ def select(plan: dict, sizes: str | None = None, variants: str | None = None) ->
     if not cut:
         raise ConfigError(f"--sizes={sizes} --variants={variants}: no configuration of the plan has these sizes")
     return {**plan, "variants": cut}
-
-
-def past_deadline() -> bool:
-    """Whether K3LAB_STOP_AT (k3lab/preempt.py) has passed: the runs launched since may have stopped unfinished."""
-    deadline = stop_at()
-    return deadline is not None and time.time() >= deadline
 
 
 def sweep_value(values) -> str:
@@ -208,8 +201,13 @@ def choose(runs: pd.DataFrame, grid: dict, tune_seeds) -> tuple[pd.DataFrame, pd
 
 
 # --- the stages ---------------------------------------------------------------------------------------------
-STOPPED = ("tune.py: stopped at K3LAB_STOP_AT after {stage}, before choosing from runs it may not have finished; "
-           "the same command goes on from here")
+def stopped_after(stage: str) -> bool:
+    """Whether K3LAB_STOP_AT has passed (the runs `stage` launched may have stopped unfinished); says so."""
+    late = past_deadline()
+    if late:
+        print(f"tune.py: stopped at K3LAB_STOP_AT after {stage}, before choosing from runs it may not have "
+              "finished; the same command goes on from here", flush=True)
+    return late
 
 
 def tune(plan: dict, extra: list[str], parallel: int) -> Path | None:
@@ -218,8 +216,7 @@ def tune(plan: dict, extra: list[str], parallel: int) -> Path | None:
     out = ROOT / next((o.split("=", 1)[1] for o in extra if o.startswith("out_dir=")), "runs") / plan["group"]
     ladder = cells(plan)
     run_all([command(plan, extra, c, c.grid, plan["tune_seeds"], tuning=True) for c in ladder], parallel)
-    if past_deadline():
-        print(STOPPED.format(stage="stage 1"), flush=True)
+    if stopped_after("stage 1"):
         return None
     configs = [compose_cell(plan, extra, c) for c in ladder]
     keys = cell_keys(plan)
@@ -238,16 +235,14 @@ def tune(plan: dict, extra: list[str], parallel: int) -> Path | None:
             break
         print(f"widening {len(wider)} grid edge(s), round {round_ + 1} of at most {plan['max_widen']}", flush=True)
         run_all(wider, parallel)
-        if past_deadline():
-            print(STOPPED.format(stage=f"widening round {round_ + 1}"), flush=True)
+        if stopped_after(f"widening round {round_ + 1}"):
             return None
     for c, best in zip(ladder, chosen):
         edge = f" (at an edge: {best['edge']})" if best["edge"] else ""
         print(f"{c.variant} at {c.size}: " + ", ".join(f"{k}={value_text(best[k])}" for k in c.grid) + edge)
     run_all([command(plan, extra, c, {k: best[k] for k in c.grid}, plan["seeds"], tuning=False)
              for c, best in zip(ladder, chosen)], parallel)
-    if past_deadline():
-        print(STOPPED.format(stage="stage 2"), flush=True)
+    if stopped_after("stage 2"):
         return None
     return write_report([str(out)], out / "rates", rate_keys=sorted({k for c in ladder for k in c.grid}),
                         tune_seeds=plan["tune_seeds"])

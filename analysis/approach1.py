@@ -36,6 +36,11 @@ from analysis.noise import SeedNoise, TrunkCorrelation, adequacy, mean_covarianc
 MIN_TOKEN_COUNTS = 2  # points of distinct D a size needs for its L(D)
 
 
+def applicable(df: pd.DataFrame) -> bool:
+    """Whether some size (N) of a scaling table or points table has points at MIN_TOKEN_COUNTS token counts."""
+    return bool(len(df)) and bool((df.groupby("N")["D"].nunique() >= MIN_TOKEN_COUNTS).any())
+
+
 def fit_sizes(points: pd.DataFrame, loss: np.ndarray) -> pd.DataFrame:
     """One row per size (N) of one variant's points (N, D, C, n): log A, b and log k (C = k D) of the
     weighted least-squares line log L = log A - b log D through the points' losses `loss` (P,) or
@@ -116,7 +121,7 @@ def fit_approach1(df: pd.DataFrame, variant: str = "baseline", noise: SeedNoise 
     noise, correlation: default measured on these rows (pooled seed noise, trunk correlation). ValueError
     when no size has points at two token counts."""
     points = points_table(df.assign(variant=variant), seed_col="seed")
-    if not (points.groupby("N")["D"].nunique() >= MIN_TOKEN_COUNTS).any():
+    if not applicable(points):
         raise ValueError(f"approach 1 needs a size with points at >= {MIN_TOKEN_COUNTS} token counts; the sizes "
                          f"have {points.groupby('N')['D'].nunique().max()} at most")
     noise = pooled_noise(points) if noise is None else noise

@@ -187,12 +187,14 @@ def write_report(paths: list[str], out: Path, seed: int = 0) -> Path:
                   "Paired by seed (the same initialisation and batches): difference = branch - separate, its mean "
                   "over seeds with a 95% Student-t interval of the paired differences; `sd_separate` is the "
                   "seed-to-seed standard deviation of the separate runs, the noise of one run.", "",
-                  markdown_table(summary), "", "Per seed:", "", markdown_table(pairs.drop(columns=["run_branch", "run_separate"])), ""]
+                  markdown_table(summary), "", "Per seed:", "",
+                  markdown_table(pairs.drop(columns=["run_branch", "run_separate"])), ""]
     saved = compute_saved(runs)
     saved.to_csv(out / "compute.csv", index=False)
     lines += ["## Compute: the shared prefixes counted once", "",
               "Per trunk: the steps and FLOPs its family trained (trunk, plus each branch after its branch point) "
-              "against the same branch points trained as separate runs from step 0.", "", markdown_table(saved, 3), ""]
+              "against the same branch points trained as separate runs from step 0.", "",
+              markdown_table(saved, 3), ""]
     fig = plot_families(curves, runs, seed)
     if fig is not None:
         plots.save(fig, out / "families", formats=("png",))

@@ -33,7 +33,7 @@ import pandas as pd
 from analysis import plots
 from analysis.ablate import (add_ablation_args, display_table, parse_baseline, print_ablation, read_primary,
                              table_from_args)
-from analysis.approach1 import MIN_TOKEN_COUNTS, fit_approach1
+from analysis.approach1 import MIN_TOKEN_COUNTS, applicable, fit_approach1
 from analysis.approach3 import (MIN_POINTS, MIN_SIZES, bootstrap_chinchilla, fit_chinchilla, flops_per_param_token,
                                 leave_largest_out, size_groups, why_not)
 from analysis.cells import BOOKKEEPING, variant_labels
@@ -392,11 +392,6 @@ def definitions(args) -> str:
             "(other definitions: --n, --c).")
 
 
-def has_token_counts(df: pd.DataFrame) -> bool:
-    """Whether some size of a scaling table has points at MIN_TOKEN_COUNTS token counts (approach 1)."""
-    return bool(len(df)) and bool((df.groupby("N")["D"].nunique() >= MIN_TOKEN_COUNTS).any())
-
-
 def section_trunks(rep: Report, df: pd.DataFrame) -> None:
     """The WSD trunks left out of the points, and which points share a trunk."""
     fam, left_out = families(df), df.attrs.get("trunks_left_out", 0)
@@ -458,11 +453,11 @@ def section_scaling(rep: Report, df: pd.DataFrame, args, label: str = "all rows"
     df = df.dropna(subset=["N", "D", "C", "loss"])
     rep.add("## Scaling laws", definitions(args))
     section_trunks(rep, df if every_variant is None else every_variant)
-    if has_token_counts(df):
+    if applicable(df):
         section_approach1(rep, df, args, label)
     if every_variant is not None:
         for variant, rows in every_variant[every_variant["variant"] != label].groupby("variant", sort=True):
-            if has_token_counts(rows):
+            if applicable(rows):
                 section_approach1(rep, rows, args, str(variant))
     reason = why_not(df["N"], df["D"])
     if reason:
@@ -742,7 +737,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
         if df is not None:
             base = df[df["variant"] == args.baseline_variant]
             if (len(base) >= MIN_POINTS and len(np.unique(size_groups(base["N"]))) >= MIN_SIZES
-                    or has_token_counts(base)):
+                    or applicable(base)):
                 rep.add("Approaches 3 and 2 use the baseline variant's runs; approach 1 is fitted to each variant, "
                         "L(C) and the multipliers use every variant.")
                 section_scaling(rep, base, args, label=args.baseline_variant, every_variant=df)

@@ -70,11 +70,16 @@ def stop_at() -> float | None:
                           f"{STOP_AT}=$(( $(date +%s) + 540 ))") from None
 
 
+def past_deadline() -> bool:
+    """Whether K3LAB_STOP_AT is set and has passed."""
+    deadline = stop_at()
+    return deadline is not None and time.time() >= deadline
+
+
 def check_not_past_deadline() -> None:
     """Raise StoppedAtDeadline when K3LAB_STOP_AT has passed: a run not yet begun does not start."""
-    deadline = stop_at()
-    if deadline is not None and time.time() >= deadline:
-        raise StoppedAtDeadline(f"not started: {STOP_AT} passed {time.time() - deadline:.0f} s ago; the same "
+    if past_deadline():
+        raise StoppedAtDeadline(f"not started: {STOP_AT} passed {time.time() - stop_at():.0f} s ago; the same "
                                 "command starts it")
 
 
